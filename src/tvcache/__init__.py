@@ -1,0 +1,53 @@
+"""tvcache: a stateful tool-value cache for RL post-training of tool-using LLM agents.
+
+    import tvcache
+    cache = tvcache.ToolCache()
+    async with cache.rollout("task-17", sandboxes, tools=tvcache.Tools(read_only={"read_file"})) as r:
+        res = await r.call("bash", {"command": "make test"})
+
+Importing this package loads only the core (no servers, no Docker); backends load with their modules.
+"""
+
+from typing import Any
+
+from .cache import ToolCache
+from .calls import ToolCall, Tools
+from .graph import Entry, Scope
+from .rollout import Result, Rollout
+from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
+from .stores.base import Store, StoreError
+
+__all__ = [
+    "Entry",
+    "Outcome",
+    "PythonSandboxes",
+    "Result",
+    "Rollout",
+    "SQLiteSandboxes",
+    "Sandbox",
+    "SandboxError",
+    "Sandboxes",
+    "Scope",
+    "Store",
+    "StoreError",
+    "ToolCache",
+    "ToolCall",
+    "Tools",
+    "WorkspaceSandboxes",
+]
+__version__ = "0.1.0"
+
+_BACKENDS = {
+    "PythonSandboxes": "tvcache.sandboxes.python",
+    "SQLiteSandboxes": "tvcache.sandboxes.sqlite",
+    "WorkspaceSandboxes": "tvcache.sandboxes.workspace",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Backends load on first use so `import tvcache` stays light.
+    if name in _BACKENDS:
+        import importlib
+
+        return getattr(importlib.import_module(_BACKENDS[name]), name)
+    raise AttributeError(f"module 'tvcache' has no attribute {name!r}")

@@ -1,0 +1,62 @@
+"""Decisions made from measured costs: when to snapshot, where a miss should start from, what to evict.
+
+Pure functions over numbers the cache measures online, so the policies can be tested and replaced on their
+own and every store evicts by the same rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .stores.base import SnapshotRecord
+
+__all__ = ["Costs", "choose_evictions", "should_snapshot"]
+
+
+class _Mean:
+    """An exponentially weighted mean that starts at a prior, so early decisions are not made on nothing."""
+
+    __slots__ = ("n", "value")
+
+    def __init__(self, prior: float):
+        self.value = prior
+        self.n = 0
+
+    def add(self, seconds: float) -> None:
+        self.n += 1
+        weight = max(0.2, 1.0 / self.n)  # plain mean for the first samples, then exponential
+        self.value += weight * (seconds - self.value)
+
+
+@dataclass
+class Costs:
+    """What one sandbox backend's operations cost, in seconds, as measured so far."""
+
+    create: _Mean
+    restore: _Mean
+    snapshot: _Mean
+
+    @classmethod
+    def new(cls, prior: float = 0.01) -> Costs:
+        return cls(_Mean(prior), _Mean(prior), _Mean(prior))
+
+
+def should_snapshot(rebuild_seconds: float, costs: Costs) -> bool:
+    """Snapshot a state when rebuilding it (restore the nearest snapshot or create, then replay the calls
+    since) costs more than saving it now and restoring it later."""
+    return rebuild_seconds > costs.snapshot.value + costs.restore.value
+
+
+def choose_evictions(records: Iterable[SnapshotRecord], budget: int) -> list[SnapshotRecord]:
+    """The snapshots to evict so at most `budget` remain: never a leased one; leaves before inner
+    snapshots (an inner one serves every rollout passing through it), least recently used first."""
+    records = list(records)
+    excess = len(records) - budget
+    if excess <= 0:
+        return []
+    parents = {r.parent for r in records if r.parent is not None}
+    candidates: Sequence[SnapshotRecord] = sorted(
+        (r for r in records if not r.leased), key=lambda r: (r.node in parents, r.last_used)
+    )
+    return list(candidates[:excess])

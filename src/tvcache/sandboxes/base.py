@@ -1,0 +1,64 @@
+"""The sandbox protocol: what the cache needs from a sandbox backend.
+
+A `Sandboxes` factory makes sandboxes that all start in the same state (identified by `fingerprint`), saves
+immutable snapshots of them and restores those. A `Sandbox` executes tool calls. Every method is async so a
+backend can run its work in threads, subprocesses or over the network without blocking the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from ..calls import ToolCall
+
+__all__ = ["Outcome", "Output", "Sandbox", "SandboxError", "Sandboxes"]
+
+#: A tool's output: text, bytes, or a JSON value (dicts, lists, numbers, ...).
+Output = str | bytes | int | float | bool | None | list[Any] | dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one execution produced.
+
+    `changed` is what the sandbox observed: False when the call provably left the state untouched, True when
+    it changed it, None when the sandbox cannot tell (the cache then assumes it changed). `error` marks a
+    failure of the sandbox or tool itself (crash, timeout), which is never cached; an ordinary failing
+    command (a non-zero exit, an SQL syntax error) is a normal, cacheable output.
+    """
+
+    output: Output
+    changed: bool | None = None
+    error: bool = False
+
+
+class SandboxError(RuntimeError):
+    """A sandbox backend failed (not the tool: the machinery around it)."""
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    async def execute(self, call: ToolCall) -> Outcome: ...
+
+    async def snapshot(self) -> str:
+        """Save the current state as an immutable snapshot and return its id; the sandbox stays usable."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Sandboxes(Protocol):
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the starting state: a content hash of the base directory, database or image."""
+        ...
+
+    async def create(self) -> Sandbox: ...
+
+    async def restore(self, snapshot_id: str) -> Sandbox:
+        """A new sandbox in the snapshot's state; raises if the snapshot no longer exists."""
+        ...
+
+    async def delete(self, snapshot_id: str) -> None: ...

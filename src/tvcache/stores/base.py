@@ -1,0 +1,91 @@
+"""The store interface: where entries, claims and snapshot records live.
+
+Every method is one round trip for a remote store, and each does one whole step of the per-call algorithm
+atomically (a lookup that also claims a miss, a lease of the deepest snapshot on a path, an insert that also
+evicts), so a store shared by many processes needs no client-side locking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+
+from ..graph import Entry
+
+__all__ = ["Claim", "Lease", "SnapshotRecord", "Store", "StoreError"]
+
+
+class StoreError(RuntimeError):
+    """The store could not do what was asked (unreachable, corrupt, refused)."""
+
+
+class Claim(msgspec.Struct, frozen=True):
+    """Answer to a claiming lookup that missed: `token` is ours to execute under, None if another holds it."""
+
+    token: str | None
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """A snapshot protected from eviction until `unlease(token)` or the lease's expiry."""
+
+    node: bytes
+    snapshot_id: str
+    token: str
+
+
+class SnapshotRecord(msgspec.Struct, frozen=True):
+    node: bytes
+    snapshot_id: str
+    parent: bytes | None
+    last_used: float
+    leased: bool
+
+
+class Store(Protocol):
+    async def lookup(
+        self, scope: str, node: bytes, digest: bytes, claim: float = 0.0
+    ) -> Entry | Claim | None:
+        """The entry for `(node, digest)`. On a miss with `claim` > 0, also try to claim it for that many
+        seconds: `Claim(token)` if we got it, `Claim(None)` if someone else is executing it. On a miss
+        without `claim`, None."""
+        ...
+
+    async def wait(self, scope: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
+        """Block until the entry is recorded (return it) or its claim is released or expires (None)."""
+        ...
+
+    async def record(self, scope: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
+        """Store `entry` unless one exists (first writer wins), release our claim, and return the winner."""
+        ...
+
+    async def release(self, scope: str, node: bytes, digest: bytes, token: str) -> None:
+        """Give a claim up without an entry (the execution failed); waiters wake and retry."""
+        ...
+
+    async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
+        """Extend our claim while a long call runs; False if it was lost (expired and taken over)."""
+        ...
+
+    async def lease(self, scope: str, path: Sequence[bytes], ttl: float) -> Lease | None:
+        """Lease the snapshot of the deepest node of `path` (root first) that holds one."""
+        ...
+
+    async def unlease(self, scope: str, token: str) -> None: ...
+
+    async def add_snapshot(
+        self, scope: str, path: Sequence[bytes], snapshot_id: str, budget: int
+    ) -> list[str]:
+        """Attach `snapshot_id` to `path[-1]` (root first), evict down to `budget` snapshots for the scope,
+        and return the snapshot ids the caller must now delete from its sandboxes: the evicted ones, and
+        `snapshot_id` itself if the node already had a snapshot. Leased snapshots are never evicted."""
+        ...
+
+    async def drop_snapshot(self, scope: str, node: bytes, snapshot_id: str) -> None:
+        """Forget a snapshot that turned out to be unusable (its restore failed)."""
+        ...
+
+    async def snapshots(self, scope: str) -> list[SnapshotRecord]: ...
+
+    async def close(self) -> None: ...

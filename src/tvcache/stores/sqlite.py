@@ -1,0 +1,160 @@
+"""The embedded durable store: one SQLite file in WAL mode.
+
+Every acknowledged write is committed before the call returns, so a process killed with SIGKILL loses
+nothing it recorded (WAL with synchronous=NORMAL survives process death; only a power cut can lose the last
+transactions). Entries are immutable once written (first writer wins), so each one read is also kept in a
+dict and later hits cost no SQL at all. Statements run on the event loop's thread: each is tens of
+microseconds, less than handing it to a thread would cost.
+
+Several processes may open the same file: they share entries and snapshot records; single flight (who is
+executing what) is per process, so two processes can execute the same miss once each, never wrongly.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..graph import Entry
+from ..policy import choose_evictions
+from .base import Claim, Lease, SnapshotRecord, StoreError
+from .flights import Flights
+
+__all__ = ["SQLiteStore"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    node BLOB NOT NULL, digest BLOB NOT NULL, scope TEXT NOT NULL,
+    kind TEXT NOT NULL, output BLOB NOT NULL, seconds REAL NOT NULL,
+    PRIMARY KEY (node, digest)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS entries_scope ON entries (scope);
+CREATE TABLE IF NOT EXISTS snapshots (
+    scope TEXT NOT NULL, node BLOB NOT NULL, snapshot_id TEXT NOT NULL, parent BLOB, last_used REAL NOT NULL,
+    PRIMARY KEY (scope, node)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS leases (
+    token TEXT PRIMARY KEY, scope TEXT NOT NULL, node BLOB NOT NULL, expiry REAL NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+class SQLiteStore:
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the cache database {str(path)!r}: {exc}") from exc
+        self.path = path
+        self._entries: dict[bytes, Entry] = {}
+        self._hits: dict[bytes, int] = {}
+        self._flights = Flights()
+
+    def _get(self, node: bytes, digest: bytes) -> Entry | None:
+        key = node + digest
+        entry = self._entries.get(key)
+        if entry is None:
+            row = self._db.execute(
+                "SELECT kind, output, seconds FROM entries WHERE node = ? AND digest = ?", (node, digest)
+            ).fetchone()
+            if row is None:
+                return None
+            entry = self._entries[key] = Entry(row[0], row[1], row[2])
+        return entry
+
+    async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
+        entry = self._get(node, digest)
+        if entry is not None:
+            key = node + digest
+            self._hits[key] = self._hits.get(key, 0) + 1
+            return entry
+        if claim <= 0:
+            return None
+        return Claim(self._flights.claim(node + digest, claim))
+
+    async def wait(self, scope: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
+        await self._flights.wait(node + digest, timeout)
+        return self._get(node, digest)
+
+    async def record(self, scope: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
+        self._db.execute(
+            "INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, ?, ?)",
+            (node, digest, scope, entry.kind, entry.output, entry.seconds),
+        )
+        winner = self._get(node, digest) or entry
+        self._flights.finish(node + digest, None)
+        return winner
+
+    async def release(self, scope: str, node: bytes, digest: bytes, token: str) -> None:
+        self._flights.finish(node + digest, token)
+
+    async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
+        return self._flights.refresh(node + digest, token, ttl)
+
+    async def lease(self, scope: str, path: Sequence[bytes], ttl: float) -> Lease | None:
+        if not path:
+            return None
+        with self._db:  # one transaction: another process cannot evict between the find and the lease
+            self._db.execute("BEGIN IMMEDIATE")
+            marks = ",".join("?" * len(path))
+            rows = dict(
+                self._db.execute(
+                    f"SELECT node, snapshot_id FROM snapshots WHERE scope = ? AND node IN ({marks})", (scope, *path)
+                ).fetchall()
+            )
+            node = next((n for n in reversed(path) if n in rows), None)
+            if node is None:
+                return None
+            now, token = time.time(), secrets.token_hex(8)
+            self._db.execute("INSERT INTO leases VALUES (?, ?, ?, ?)", (token, scope, node, now + ttl))
+            self._db.execute("UPDATE snapshots SET last_used = ? WHERE scope = ? AND node = ?", (now, scope, node))
+            return Lease(node, rows[node], token)
+
+    async def unlease(self, scope: str, token: str) -> None:
+        self._db.execute("DELETE FROM leases WHERE token = ?", (token,))
+
+    async def add_snapshot(self, scope: str, path: Sequence[bytes], snapshot_id: str, budget: int) -> list[str]:
+        node = path[-1]
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            records = {r.node: r for r in self._records(scope)}
+            if node in records:
+                return [snapshot_id]
+            parent = next((n for n in reversed(path[:-1]) if n in records), None)
+            now = time.time()
+            self._db.execute("INSERT INTO snapshots VALUES (?, ?, ?, ?, ?)", (scope, node, snapshot_id, parent, now))
+            records[node] = SnapshotRecord(node, snapshot_id, parent, now, False)
+            evicted = choose_evictions(records.values(), budget)
+            self._db.executemany(
+                "DELETE FROM snapshots WHERE scope = ? AND node = ?", [(scope, r.node) for r in evicted]
+            )
+        return [r.snapshot_id for r in evicted]
+
+    async def drop_snapshot(self, scope: str, node: bytes, snapshot_id: str) -> None:
+        self._db.execute(
+            "DELETE FROM snapshots WHERE scope = ? AND node = ? AND snapshot_id = ?", (scope, node, snapshot_id)
+        )
+
+    async def snapshots(self, scope: str) -> list[SnapshotRecord]:
+        return self._records(scope)
+
+    def _records(self, scope: str) -> list[SnapshotRecord]:
+        now = time.time()
+        self._db.execute("DELETE FROM leases WHERE expiry <= ?", (now,))
+        leased = {row[0] for row in self._db.execute("SELECT node FROM leases WHERE scope = ?", (scope,))}
+        rows = self._db.execute(
+            "SELECT node, snapshot_id, parent, last_used FROM snapshots WHERE scope = ?", (scope,)
+        ).fetchall()
+        return [SnapshotRecord(n, sid, parent, used, n in leased) for n, sid, parent, used in rows]
+
+    async def close(self) -> None:
+        self._entries.clear()
+        self._db.close()
