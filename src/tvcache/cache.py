@@ -55,7 +55,7 @@ class ToolCache:
             store=store if store is not None else open_store(url),
             stats=Stats(),
             warm=WarmPool(),
-            costs={},
+            factories={},
             claim_ttl=claim_ttl,
             lease_ttl=lease_ttl,
             snapshot_budget=snapshot_budget,
@@ -73,9 +73,7 @@ class ToolCache:
         return Scope(self.namespace, task, sandboxes.fingerprint)
 
     @contextlib.asynccontextmanager
-    async def rollout(
-        self, task: str, sandboxes: Sandboxes, tools: Tools | None = None
-    ) -> AsyncIterator[Rollout]:
+    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools | None = None) -> AsyncIterator[Rollout]:
         """One rollout of `task`; its sandbox, if it made one, is closed on exit (also on errors)."""
         rollout = Rollout(self._ctx, self.scope(task, sandboxes), sandboxes, tools)
         try:
@@ -86,9 +84,7 @@ class ToolCache:
     def stats(self) -> dict[str, float]:
         return self._ctx.stats.as_dict()
 
-    async def prefetch(
-        self, tasks: Iterable[str], sandboxes: Sandboxes, rollouts: int = 8
-    ) -> asyncio.Task[int]:
+    async def prefetch(self, tasks: Iterable[str], sandboxes: Sandboxes, rollouts: int = 8) -> asyncio.Task[int]:
         """Warm sandboxes for the next step's tasks, in the background: up to `rollouts` fresh ones per task
         and one restored fork of each snapshot the graph holds for it. Rollouts take warm ones first.
 
@@ -103,7 +99,7 @@ class ToolCache:
             jobs += [self._warm_fresh(sandboxes, key) for _ in range(max(0, missing))]
             self._pending[pending] += max(0, missing)
             try:
-                records = await self._ctx.store.snapshots(key)
+                records = await self._ctx.store.snapshots(key, self._ctx.factory(sandboxes)[1])
             except Exception as exc:
                 self._ctx.stats.store_errors += 1
                 log.warning("prefetch could not list snapshots of %s: %s", task, exc)
@@ -136,7 +132,7 @@ class ToolCache:
         store = self._ctx.store
         try:
             async with self._prefetch_limit:
-                lease = await store.lease(key, [node], self._ctx.lease_ttl)
+                lease = await store.lease(key, self._ctx.factory(sandboxes)[1], [node], self._ctx.lease_ttl)
                 if lease is None or lease.snapshot_id != snapshot_id:
                     return False  # evicted meanwhile
                 try:

@@ -62,6 +62,7 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
     kind: Kind
     output: bytes
     seconds: float
+    call: str = ""  # the call's key, cut short: for people reading the graph, never for lookups
 
 
 _encoder = msgspec.msgpack.Encoder()

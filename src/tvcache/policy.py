@@ -48,15 +48,17 @@ def should_snapshot(rebuild_seconds: float, costs: Costs) -> bool:
     return rebuild_seconds > costs.snapshot.value + costs.restore.value
 
 
-def choose_evictions(records: Iterable[SnapshotRecord], budget: int) -> list[SnapshotRecord]:
-    """The snapshots to evict so at most `budget` remain: never a leased one; leaves before inner
-    snapshots (an inner one serves every rollout passing through it), least recently used first."""
+def choose_evictions(records: Iterable[SnapshotRecord], budget: int, added: bytes) -> list[SnapshotRecord]:
+    """The snapshots to evict so at most `budget` remain after adding the one at node `added`: never a
+    leased one; leaves before inner snapshots (an inner one serves every rollout passing through it), least
+    recently used first. The one just added goes last: it was paid for a moment ago, and at the end of a
+    chain it would otherwise be the only leaf."""
     records = list(records)
     excess = len(records) - budget
     if excess <= 0:
         return []
     parents = {r.parent for r in records if r.parent is not None}
     candidates: Sequence[SnapshotRecord] = sorted(
-        (r for r in records if not r.leased), key=lambda r: (r.node in parents, r.last_used)
+        (r for r in records if not r.leased), key=lambda r: (r.node == added, r.node in parents, r.last_used)
     )
     return list(candidates[:excess])

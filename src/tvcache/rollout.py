@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from .graph import EDGE, MEMO, Entry, Kind, Scope, child_id, decode_output, enco
 from .policy import Costs, should_snapshot
 from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
 from .stats import Stats
-from .stores.base import Claim, Lease, Store, StoreError
+from .stores.base import Claim, Lease, Store, StoreError, TaskInfo
 from .warm import WarmPool
 
 __all__ = ["Context", "Result", "Rollout", "Source"]
@@ -54,27 +56,33 @@ class Context:
     store: Store
     stats: Stats
     warm: WarmPool
-    costs: dict[int, Costs]  # per sandbox factory, keyed by id()
+    factories: dict[int, tuple[Costs, str]]  # per sandbox factory (keyed by id): measured costs, origin
     claim_ttl: float
     lease_ttl: float
     snapshot_budget: int
     max_output_bytes: int
 
-    def costs_of(self, factory: Sandboxes) -> Costs:
-        costs = self.costs.get(id(factory))
-        if costs is None:
-            costs = self.costs[id(factory)] = Costs.new()
-        return costs
+    def factory(self, sandboxes: Sandboxes) -> tuple[Costs, str]:
+        """What the cache knows of a sandbox factory: its measured costs and the origin of its snapshots.
+
+        A factory whose snapshots other processes or machines can restore says so with an `origin`
+        attribute (the same string everywhere they can); by default only the factory itself can."""
+        known = self.factories.get(id(sandboxes))
+        if known is None:
+            origin = getattr(sandboxes, "origin", None) or f"{socket.gethostname()}:{os.getpid()}:{id(sandboxes):x}"
+            known = self.factories[id(sandboxes)] = (Costs.new(), str(origin))
+        return known
 
 
 @dataclass(frozen=True, slots=True)
 class _Step:
-    """An edge the rollout took: the call, the state it led to and the recorded result (for replay checks)."""
+    """An edge the rollout took: the call, the state it led to, the recorded result (for replay checks),
+    and the execution seconds of all edges from the root up to and including this one (replay costs)."""
 
     node: bytes
     call: ToolCall
     output: bytes
-    seconds: float
+    total: float
 
 
 class Rollout:
@@ -84,7 +92,7 @@ class Rollout:
         self._key = scope.key
         self._sandboxes = sandboxes
         self._tools = tools or Tools()
-        self._costs = ctx.costs_of(sandboxes)
+        self._costs, self._origin = ctx.factory(sandboxes)
         self._root = scope.root
         self._cursor = self._root
         self._steps: list[_Step] = []
@@ -92,6 +100,7 @@ class Rollout:
         self._box_depth = 0  # how many of `_steps` the live sandbox has applied
         self._known_snapshot_depth = 0  # deepest depth known to hold a snapshot (0: the fresh root)
         self._detached = False
+        self._registered = False
 
     @property
     def cursor(self) -> bytes:
@@ -147,7 +156,12 @@ class Rollout:
 
     def _advance(self, call: ToolCall, output: bytes, seconds: float) -> None:
         self._cursor = child_id(self._cursor, call.digest)
-        self._steps.append(_Step(self._cursor, call, output, seconds))
+        self._steps.append(_Step(self._cursor, call, output, self._replay_seconds(len(self._steps)) + seconds))
+
+    def _replay_seconds(self, depth: int, start: int = 0) -> float:
+        """Recorded execution time of the edges from depth `start` to depth `depth`."""
+        total = self._steps[depth - 1].total if depth else 0.0
+        return total - (self._steps[start - 1].total if start else 0.0)
 
     def _kind(self, call: ToolCall, outcome: Outcome) -> Kind:
         """Annotation first, then what the sandbox observed, else assume the state changed."""
@@ -177,7 +191,11 @@ class Rollout:
             self._ctx.stats.uncached += 1
         else:
             try:
-                await store.record(key, node, call.digest, Entry(kind, blob, seconds), token)
+                if not self._registered:  # once per rollout, and only for rollouts that add to the graph
+                    s = self._scope
+                    await store.register(TaskInfo(key, s.namespace, s.task, s.fingerprint))
+                    self._registered = True
+                await store.record(key, node, call.digest, Entry(kind, blob, seconds, call.key[:200]), token)
             except Exception as exc:
                 self._store_failed(exc)
         if kind == EDGE:
@@ -211,9 +229,7 @@ class Rollout:
             # The new state depends on something outside the history (the clock, the network): no later
             # call of this rollout can be answered from, or recorded into, the shared graph.
             self._detach(f"uncacheable tool {call.tool!r} changed the state")
-        return Result(
-            decode_output(encode_output(outcome.output)), False, time.perf_counter() - start, "executed"
-        )
+        return Result(decode_output(encode_output(outcome.output)), False, time.perf_counter() - start, "executed")
 
     def _failed(self, call: ToolCall, outcome: Outcome, start: float) -> Result:
         """A failed execution (timeout, crash) is never cached. If it may have changed the state, the state
@@ -261,13 +277,10 @@ class Rollout:
             return self._box
         if self._detached:
             raise SandboxError("a detached rollout lost its sandbox; its state cannot be rebuilt")
-        seconds = [0.0]
-        for step in self._steps:
-            seconds.append(seconds[-1] + step.seconds)
         costs = self._costs
 
         def replay_cost(depth: int) -> float:
-            return seconds[target] - seconds[depth]
+            return self._replay_seconds(target, depth)
 
         catch_up = replay_cost(self._box_depth) if self._box is not None else float("inf")
         fresh_warm = self._ctx.warm.fresh_count(self._sandboxes, self._key) > 0
@@ -296,7 +309,7 @@ class Rollout:
     async def _lease(self, first_depth: int, target: int) -> Lease | None:
         nodes = [step.node for step in self._steps[first_depth - 1 : target]]
         try:
-            return await self._ctx.store.lease(self._key, nodes, self._ctx.lease_ttl)
+            return await self._ctx.store.lease(self._key, self._origin, nodes, self._ctx.lease_ttl)
         except Exception as exc:
             self._store_failed(exc)
             return None
@@ -319,7 +332,7 @@ class Rollout:
         except Exception as exc:
             # Gone (deleted by another process, lost in a restart): forget it and take another route.
             log.warning("restore of snapshot %s failed (%s); falling back", lease.snapshot_id, exc)
-            await self._quietly(self._ctx.store.drop_snapshot(self._key, lease.node, lease.snapshot_id))
+            await self._quietly(self._ctx.store.drop_snapshot(self._key, self._origin, lease.node, lease.snapshot_id))
             return None
         self._costs.restore.add(time.perf_counter() - t0)
         stats.restores += 1
@@ -371,7 +384,7 @@ class Rollout:
     async def _maybe_snapshot(self, box: Sandbox) -> None:
         depth = len(self._steps)
         base = self._known_snapshot_depth
-        rebuild = sum(s.seconds for s in self._steps[base:depth])
+        rebuild = self._replay_seconds(depth, base)
         rebuild += self._costs.restore.value if base else self._costs.create.value
         if not should_snapshot(rebuild, self._costs):
             return
@@ -388,7 +401,7 @@ class Rollout:
         path = [self._root, *(s.node for s in self._steps)]
         try:
             doomed = await self._ctx.store.add_snapshot(
-                self._key, path, snapshot_id, self._ctx.snapshot_budget
+                self._key, self._origin, path, snapshot_id, self._ctx.snapshot_budget
             )
         except Exception as exc:
             self._store_failed(exc)
@@ -441,8 +454,6 @@ class Rollout:
 
 def _same_output(output: Any, recorded: bytes) -> bool:
     try:
-        return encode_output(output) == recorded or decode_output(encode_output(output)) == decode_output(
-            recorded
-        )
+        return encode_output(output) == recorded or decode_output(encode_output(output)) == decode_output(recorded)
     except TypeError:
         return False

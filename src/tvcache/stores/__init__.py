@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from .base import Claim, Lease, SnapshotRecord, Store, StoreError
+from .base import Claim, EntryInfo, GraphExport, Lease, SnapshotRecord, Store, StoreError, TaskInfo
 
-__all__ = ["Claim", "Lease", "SnapshotRecord", "Store", "StoreError", "open_store"]
+__all__ = [
+    "Claim",
+    "EntryInfo",
+    "GraphExport",
+    "Lease",
+    "SnapshotRecord",
+    "Store",
+    "StoreError",
+    "TaskInfo",
+    "open_store",
+]
 
 
 def open_store(url: str | None) -> Store:
-    """`None` or "memory://": in memory; "sqlite:///path.db": a durable file. Others come with their modules."""
+    """`None` or "memory://": in memory; "sqlite:///path.db": a durable file; "http://host:port": a shared
+    `tvcache serve`; "redis://host:port/db": Redis or Redis Cluster. Each backend is imported only when used."""
     if url is None or url == "memory://":
         from .memory import MemoryStore
 
@@ -18,8 +29,16 @@ def open_store(url: str | None) -> Store:
 
         path = url.removeprefix("sqlite://")
         if not path.startswith("/") or path == "/":
-            raise ValueError(
-                f"a sqlite store URL is sqlite:///relative/path.db or sqlite:////abs/path.db, got {url!r}"
-            )
+            raise ValueError(f"a sqlite store URL is sqlite:///relative/path.db or sqlite:////abs/path.db, got {url!r}")
         return SQLiteStore(path[1:])
-    raise ValueError(f"unknown store URL {url!r}: expected memory://, sqlite:///path.db")
+    if url.startswith(("http://", "https://")):
+        from .http import HTTPStore
+
+        return HTTPStore(url)
+    if url.startswith(("redis://", "rediss://", "redis+cluster://")):
+        from .redis import RedisStore
+
+        return RedisStore(url)
+    raise ValueError(
+        f"unknown store URL {url!r}: expected memory://, sqlite:///path.db, http://host:port or redis://host:port/db"
+    )

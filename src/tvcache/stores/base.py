@@ -7,14 +7,24 @@ evicts), so a store shared by many processes needs no client-side locking.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import msgspec
 
-from ..graph import Entry
+from ..graph import EDGE, Entry, Kind, child_id
 
-__all__ = ["Claim", "Lease", "SnapshotRecord", "Store", "StoreError"]
+__all__ = [
+    "Claim",
+    "EntryInfo",
+    "GraphExport",
+    "Lease",
+    "SnapshotRecord",
+    "Store",
+    "StoreError",
+    "TaskInfo",
+    "export_entries",
+]
 
 
 class StoreError(RuntimeError):
@@ -36,6 +46,7 @@ class Lease(msgspec.Struct, frozen=True):
 
 
 class SnapshotRecord(msgspec.Struct, frozen=True):
+    origin: str
     node: bytes
     snapshot_id: str
     parent: bytes | None
@@ -43,10 +54,37 @@ class SnapshotRecord(msgspec.Struct, frozen=True):
     leased: bool
 
 
+class TaskInfo(msgspec.Struct, frozen=True):
+    """A scope as people name it; `key` is its root node id in hex, what every other call takes."""
+
+    key: str
+    namespace: str
+    task: str
+    fingerprint: str
+
+
+class EntryInfo(msgspec.Struct, frozen=True):
+    """One entry of an exported graph: an edge from `node` to `child`, or a memo on `node`."""
+
+    node: bytes
+    digest: bytes
+    child: bytes | None
+    kind: Kind
+    call: str
+    seconds: float
+    size: int
+    hits: int
+
+
+class GraphExport(msgspec.Struct, frozen=True):
+    task: TaskInfo | None
+    entries: list[EntryInfo]
+    snapshots: list[SnapshotRecord]
+    truncated: bool
+
+
 class Store(Protocol):
-    async def lookup(
-        self, scope: str, node: bytes, digest: bytes, claim: float = 0.0
-    ) -> Entry | Claim | None:
+    async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
         """The entry for `(node, digest)`. On a miss with `claim` > 0, also try to claim it for that many
         seconds: `Claim(token)` if we got it, `Claim(None)` if someone else is executing it. On a miss
         without `claim`, None."""
@@ -68,24 +106,56 @@ class Store(Protocol):
         """Extend our claim while a long call runs; False if it was lost (expired and taken over)."""
         ...
 
-    async def lease(self, scope: str, path: Sequence[bytes], ttl: float) -> Lease | None:
-        """Lease the snapshot of the deepest node of `path` (root first) that holds one."""
+    async def lease(self, scope: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
+        """Lease the snapshot of `origin` at the deepest node of `path` (root first) that holds one.
+
+        A snapshot can be restored only where it was made (the origin: a process, a machine, a registry),
+        so every snapshot call names the caller's origin and sees only that origin's snapshots."""
         ...
 
     async def unlease(self, scope: str, token: str) -> None: ...
 
     async def add_snapshot(
-        self, scope: str, path: Sequence[bytes], snapshot_id: str, budget: int
+        self, scope: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
     ) -> list[str]:
-        """Attach `snapshot_id` to `path[-1]` (root first), evict down to `budget` snapshots for the scope,
+        """Attach `snapshot_id` to `path[-1]` (root first), evict down to `budget` snapshots of the origin,
         and return the snapshot ids the caller must now delete from its sandboxes: the evicted ones, and
         `snapshot_id` itself if the node already had a snapshot. Leased snapshots are never evicted."""
         ...
 
-    async def drop_snapshot(self, scope: str, node: bytes, snapshot_id: str) -> None:
+    async def drop_snapshot(self, scope: str, origin: str, node: bytes, snapshot_id: str) -> None:
         """Forget a snapshot that turned out to be unusable (its restore failed)."""
         ...
 
-    async def snapshots(self, scope: str) -> list[SnapshotRecord]: ...
+    async def snapshots(self, scope: str, origin: str | None = None) -> list[SnapshotRecord]:
+        """The scope's snapshots, of one origin or (None) of all."""
+        ...
+
+    async def register(self, info: TaskInfo) -> None:
+        """Name a scope, for people: dashboards and exports. Idempotent."""
+        ...
+
+    async def tasks(self) -> list[TaskInfo]: ...
+
+    async def export(self, scope: str, limit: int = 10_000) -> GraphExport:
+        """The scope's graph as data (at most `limit` entries), with hit counts, for dashboards."""
+        ...
 
     async def close(self) -> None: ...
+
+
+def export_entries(rows: Iterable[tuple[bytes, bytes, Entry, int]]) -> list[EntryInfo]:
+    """`EntryInfo`s from `(node, digest, entry, hits)` rows: the part of `export` every store shares."""
+    return [
+        EntryInfo(
+            node,
+            digest,
+            child_id(node, digest) if e.kind == EDGE else None,
+            e.kind,
+            e.call,
+            e.seconds,
+            len(e.output),
+            hits,
+        )
+        for node, digest, e, hits in rows
+    ]

@@ -48,9 +48,7 @@ class Flights:
     def finish(self, key: bytes, token: str | None) -> None:
         """End the flight (recorded or released). Any recorded entry also ends other claimants' waits."""
         flight = self._flights.get(key)
-        if flight is not None and (
-            token is None or flight.token == token or flight.expiry <= time.monotonic()
-        ):
+        if flight is not None and (token is None or flight.token == token or flight.expiry <= time.monotonic()):
             del self._flights[key]
             flight.done.set()
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ..graph import Entry
 from ..policy import choose_evictions
-from .base import Claim, Lease, SnapshotRecord
+from .base import Claim, GraphExport, Lease, SnapshotRecord, TaskInfo, export_entries
 from .flights import Flights
 
 __all__ = ["MemoryStore"]
@@ -33,8 +33,9 @@ class _Snapshot:
 class _Task:
     entries: dict[bytes, Entry] = field(default_factory=dict)  # node + digest -> entry
     hits: dict[bytes, int] = field(default_factory=dict)
-    snapshots: dict[bytes, _Snapshot] = field(default_factory=dict)  # node -> snapshot
-    leases: dict[str, bytes] = field(default_factory=dict)  # token -> node
+    snapshots: dict[str, dict[bytes, _Snapshot]] = field(default_factory=dict)  # origin -> node -> snapshot
+    leases: dict[str, tuple[str, bytes]] = field(default_factory=dict)  # token -> (origin, node)
+    info: TaskInfo | None = None
 
 
 class MemoryStore:
@@ -48,9 +49,7 @@ class MemoryStore:
             task = self._tasks[scope] = _Task()
         return task
 
-    async def lookup(
-        self, scope: str, node: bytes, digest: bytes, claim: float = 0.0
-    ) -> Entry | Claim | None:
+    async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
         task = self._task(scope)
         key = node + digest
         entry = task.entries.get(key)
@@ -78,55 +77,71 @@ class MemoryStore:
     async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
         return self._flights.refresh(node + digest, token, ttl)
 
-    async def lease(self, scope: str, path: Sequence[bytes], ttl: float) -> Lease | None:
+    async def lease(self, scope: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
         task = self._task(scope)
+        mine = task.snapshots.get(origin, {})
         for node in reversed(path):
-            snap = task.snapshots.get(node)
+            snap = mine.get(node)
             if snap is not None:
                 now = time.time()
                 token = secrets.token_hex(8)
                 snap.leases[token] = now + ttl
                 snap.last_used = now
-                task.leases[token] = node
+                task.leases[token] = (origin, node)
                 return Lease(node, snap.snapshot_id, token)
         return None
 
     async def unlease(self, scope: str, token: str) -> None:
         task = self._task(scope)
-        node = task.leases.pop(token, None)
-        snap = task.snapshots.get(node) if node is not None else None
+        origin, node = task.leases.pop(token, ("", b""))
+        snap = task.snapshots.get(origin, {}).get(node)
         if snap is not None:
             snap.leases.pop(token, None)
 
     async def add_snapshot(
-        self, scope: str, path: Sequence[bytes], snapshot_id: str, budget: int
+        self, scope: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
     ) -> list[str]:
-        task = self._task(scope)
+        mine = self._task(scope).snapshots.setdefault(origin, {})
         node = path[-1]
-        if node in task.snapshots:
+        if node in mine:
             return [snapshot_id]
-        parent = next((n for n in reversed(path[:-1]) if n in task.snapshots), None)
-        task.snapshots[node] = _Snapshot(snapshot_id, parent, time.time())
-        evicted = choose_evictions(self._records(task), budget)
+        parent = next((n for n in reversed(path[:-1]) if n in mine), None)
+        mine[node] = _Snapshot(snapshot_id, parent, time.time())
+        evicted = choose_evictions(self._records(scope, origin), budget, node)
         for record in evicted:
-            del task.snapshots[record.node]
+            del mine[record.node]
         return [r.snapshot_id for r in evicted]
 
-    async def drop_snapshot(self, scope: str, node: bytes, snapshot_id: str) -> None:
-        task = self._task(scope)
-        snap = task.snapshots.get(node)
+    async def drop_snapshot(self, scope: str, origin: str, node: bytes, snapshot_id: str) -> None:
+        mine = self._task(scope).snapshots.get(origin, {})
+        snap = mine.get(node)
         if snap is not None and snap.snapshot_id == snapshot_id:
-            del task.snapshots[node]
+            del mine[node]
 
-    async def snapshots(self, scope: str) -> list[SnapshotRecord]:
-        return self._records(self._task(scope))
+    async def snapshots(self, scope: str, origin: str | None = None) -> list[SnapshotRecord]:
+        return self._records(scope, origin)
 
-    def _records(self, task: _Task) -> list[SnapshotRecord]:
+    def _records(self, scope: str, origin: str | None) -> list[SnapshotRecord]:
         now = time.time()
+        task = self._task(scope)
         return [
-            SnapshotRecord(node, s.snapshot_id, s.parent, s.last_used, s.leased(now))
-            for node, s in task.snapshots.items()
+            SnapshotRecord(o, node, s.snapshot_id, s.parent, s.last_used, s.leased(now))
+            for o, mine in task.snapshots.items()
+            if origin is None or o == origin
+            for node, s in mine.items()
         ]
+
+    async def register(self, info: TaskInfo) -> None:
+        self._task(info.key).info = info
+
+    async def tasks(self) -> list[TaskInfo]:
+        return [t.info for t in self._tasks.values() if t.info is not None]
+
+    async def export(self, scope: str, limit: int = 10_000) -> GraphExport:
+        task = self._task(scope)
+        items = list(task.entries.items())
+        entries = export_entries(((k[:16], k[16:], e, task.hits.get(k, 0)) for k, e in items[:limit]))
+        return GraphExport(task.info, entries, self._records(scope, None), len(items) > limit)
 
     async def close(self) -> None:
         self._tasks.clear()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..graph import Entry
 from ..policy import choose_evictions
-from .base import Claim, Lease, SnapshotRecord, StoreError
+from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo, export_entries
 from .flights import Flights
 
 __all__ = ["SQLiteStore"]
@@ -28,16 +28,20 @@ __all__ = ["SQLiteStore"]
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
     node BLOB NOT NULL, digest BLOB NOT NULL, scope TEXT NOT NULL,
-    kind TEXT NOT NULL, output BLOB NOT NULL, seconds REAL NOT NULL,
+    kind TEXT NOT NULL, output BLOB NOT NULL, seconds REAL NOT NULL, call TEXT NOT NULL,
     PRIMARY KEY (node, digest)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS entries_scope ON entries (scope);
 CREATE TABLE IF NOT EXISTS snapshots (
-    scope TEXT NOT NULL, node BLOB NOT NULL, snapshot_id TEXT NOT NULL, parent BLOB, last_used REAL NOT NULL,
-    PRIMARY KEY (scope, node)
+    scope TEXT NOT NULL, origin TEXT NOT NULL, node BLOB NOT NULL, snapshot_id TEXT NOT NULL, parent BLOB,
+    last_used REAL NOT NULL,
+    PRIMARY KEY (scope, origin, node)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS tasks (
+    key TEXT PRIMARY KEY, namespace TEXT NOT NULL, task TEXT NOT NULL, fingerprint TEXT NOT NULL
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS leases (
-    token TEXT PRIMARY KEY, scope TEXT NOT NULL, node BLOB NOT NULL, expiry REAL NOT NULL
+    token TEXT PRIMARY KEY, scope TEXT NOT NULL, origin TEXT NOT NULL, node BLOB NOT NULL, expiry REAL NOT NULL
 ) WITHOUT ROWID;
 """
 
@@ -63,11 +67,11 @@ class SQLiteStore:
         entry = self._entries.get(key)
         if entry is None:
             row = self._db.execute(
-                "SELECT kind, output, seconds FROM entries WHERE node = ? AND digest = ?", (node, digest)
+                "SELECT kind, output, seconds, call FROM entries WHERE node = ? AND digest = ?", (node, digest)
             ).fetchone()
             if row is None:
                 return None
-            entry = self._entries[key] = Entry(row[0], row[1], row[2])
+            entry = self._entries[key] = Entry(*row)
         return entry
 
     async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
@@ -86,8 +90,8 @@ class SQLiteStore:
 
     async def record(self, scope: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
         self._db.execute(
-            "INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, ?, ?)",
-            (node, digest, scope, entry.kind, entry.output, entry.seconds),
+            "INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (node, digest, scope, entry.kind, entry.output, entry.seconds, entry.call),
         )
         winner = self._get(node, digest) or entry
         self._flights.finish(node + digest, None)
@@ -99,7 +103,7 @@ class SQLiteStore:
     async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
         return self._flights.refresh(node + digest, token, ttl)
 
-    async def lease(self, scope: str, path: Sequence[bytes], ttl: float) -> Lease | None:
+    async def lease(self, scope: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
         if not path:
             return None
         with self._db:  # one transaction: another process cannot evict between the find and the lease
@@ -107,53 +111,83 @@ class SQLiteStore:
             marks = ",".join("?" * len(path))
             rows = dict(
                 self._db.execute(
-                    f"SELECT node, snapshot_id FROM snapshots WHERE scope = ? AND node IN ({marks})", (scope, *path)
+                    f"SELECT node, snapshot_id FROM snapshots WHERE scope = ? AND origin = ? AND node IN ({marks})",
+                    (scope, origin, *path),
                 ).fetchall()
             )
             node = next((n for n in reversed(path) if n in rows), None)
             if node is None:
                 return None
             now, token = time.time(), secrets.token_hex(8)
-            self._db.execute("INSERT INTO leases VALUES (?, ?, ?, ?)", (token, scope, node, now + ttl))
-            self._db.execute("UPDATE snapshots SET last_used = ? WHERE scope = ? AND node = ?", (now, scope, node))
+            self._db.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?)", (token, scope, origin, node, now + ttl))
+            self._db.execute(
+                "UPDATE snapshots SET last_used = ? WHERE scope = ? AND origin = ? AND node = ?",
+                (now, scope, origin, node),
+            )
             return Lease(node, rows[node], token)
 
     async def unlease(self, scope: str, token: str) -> None:
         self._db.execute("DELETE FROM leases WHERE token = ?", (token,))
 
-    async def add_snapshot(self, scope: str, path: Sequence[bytes], snapshot_id: str, budget: int) -> list[str]:
+    async def add_snapshot(
+        self, scope: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
+    ) -> list[str]:
         node = path[-1]
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
-            records = {r.node: r for r in self._records(scope)}
+            records = {r.node: r for r in self._records(scope, origin)}
             if node in records:
                 return [snapshot_id]
             parent = next((n for n in reversed(path[:-1]) if n in records), None)
             now = time.time()
-            self._db.execute("INSERT INTO snapshots VALUES (?, ?, ?, ?, ?)", (scope, node, snapshot_id, parent, now))
-            records[node] = SnapshotRecord(node, snapshot_id, parent, now, False)
-            evicted = choose_evictions(records.values(), budget)
+            self._db.execute(
+                "INSERT INTO snapshots VALUES (?, ?, ?, ?, ?, ?)", (scope, origin, node, snapshot_id, parent, now)
+            )
+            records[node] = SnapshotRecord(origin, node, snapshot_id, parent, now, False)
+            evicted = choose_evictions(records.values(), budget, node)
             self._db.executemany(
-                "DELETE FROM snapshots WHERE scope = ? AND node = ?", [(scope, r.node) for r in evicted]
+                "DELETE FROM snapshots WHERE scope = ? AND origin = ? AND node = ?",
+                [(scope, origin, r.node) for r in evicted],
             )
         return [r.snapshot_id for r in evicted]
 
-    async def drop_snapshot(self, scope: str, node: bytes, snapshot_id: str) -> None:
+    async def drop_snapshot(self, scope: str, origin: str, node: bytes, snapshot_id: str) -> None:
         self._db.execute(
-            "DELETE FROM snapshots WHERE scope = ? AND node = ? AND snapshot_id = ?", (scope, node, snapshot_id)
+            "DELETE FROM snapshots WHERE scope = ? AND origin = ? AND node = ? AND snapshot_id = ?",
+            (scope, origin, node, snapshot_id),
         )
 
-    async def snapshots(self, scope: str) -> list[SnapshotRecord]:
-        return self._records(scope)
+    async def snapshots(self, scope: str, origin: str | None = None) -> list[SnapshotRecord]:
+        return self._records(scope, origin)
 
-    def _records(self, scope: str) -> list[SnapshotRecord]:
+    def _records(self, scope: str, origin: str | None) -> list[SnapshotRecord]:
         now = time.time()
         self._db.execute("DELETE FROM leases WHERE expiry <= ?", (now,))
-        leased = {row[0] for row in self._db.execute("SELECT node FROM leases WHERE scope = ?", (scope,))}
+        leased = set(self._db.execute("SELECT origin, node FROM leases WHERE scope = ?", (scope,)).fetchall())
         rows = self._db.execute(
-            "SELECT node, snapshot_id, parent, last_used FROM snapshots WHERE scope = ?", (scope,)
+            "SELECT origin, node, snapshot_id, parent, last_used FROM snapshots WHERE scope = ?"
+            + (" AND origin = ?" if origin is not None else ""),
+            (scope, origin) if origin is not None else (scope,),
         ).fetchall()
-        return [SnapshotRecord(n, sid, parent, used, n in leased) for n, sid, parent, used in rows]
+        return [SnapshotRecord(o, n, sid, parent, used, (o, n) in leased) for o, n, sid, parent, used in rows]
+
+    async def register(self, info: TaskInfo) -> None:
+        self._db.execute(
+            "INSERT OR IGNORE INTO tasks VALUES (?, ?, ?, ?)", (info.key, info.namespace, info.task, info.fingerprint)
+        )
+
+    async def tasks(self) -> list[TaskInfo]:
+        return [TaskInfo(*row) for row in self._db.execute("SELECT key, namespace, task, fingerprint FROM tasks")]
+
+    async def export(self, scope: str, limit: int = 10_000) -> GraphExport:
+        row = self._db.execute("SELECT key, namespace, task, fingerprint FROM tasks WHERE key = ?", (scope,)).fetchone()
+        rows = self._db.execute(
+            "SELECT node, digest, kind, output, seconds, call FROM entries WHERE scope = ? LIMIT ?", (scope, limit + 1)
+        ).fetchall()
+        entries = export_entries(
+            (n, d, Entry(k, o, s, c), self._hits.get(n + d, 0)) for n, d, k, o, s, c in rows[:limit]
+        )
+        return GraphExport(TaskInfo(*row) if row else None, entries, self._records(scope, None), len(rows) > limit)
 
     async def close(self) -> None:
         self._entries.clear()

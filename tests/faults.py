@@ -1,0 +1,88 @@
+"""Wrappers that inject faults we cannot cause in the real thing on demand: a sandbox that raises or dies
+mid-call, and a store that goes away. Everything else they pass through to the real backends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tvcache import Outcome, SandboxError, ToolCall
+from tvcache.stores import StoreError
+
+
+class FaultyBox:
+    def __init__(self, factory: FaultySandboxes, inner: Any):
+        self.factory, self.inner, self.dead, self.closed = factory, inner, False, False
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        if self.dead:
+            raise SandboxError("sandbox is dead")
+        fault = self.factory.fault(call) if self.factory.fault else None
+        if fault == "raise":  # the tool raised after doing (part of) its work
+            await self.inner.execute(call)
+            raise RuntimeError(f"tool blew up on {call.tool}")
+        if fault == "die":  # the sandbox process went away mid-call, after part of the work
+            await self.inner.execute(call)
+            self.dead = True
+            raise SandboxError("sandbox died")
+        if fault == "error":
+            outcome = await self.inner.execute(call)
+            return Outcome(f"timeout after partial work: {outcome.output}", changed=True, error=True)
+        return await self.inner.execute(call)
+
+    async def snapshot(self) -> str:
+        return await self.inner.snapshot()
+
+    async def close(self) -> None:
+        assert not self.closed, "sandbox closed twice"
+        self.closed = True
+        self.factory.open.discard(self)
+        await self.inner.close()
+
+
+class FaultySandboxes:
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.fault: Callable[[ToolCall], str | None] | None = None
+        self.open: set[FaultyBox] = set()
+        self.deleted: list[str] = []
+        self.created = 0
+        self.restored = 0
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.inner.fingerprint)
+
+    async def create(self) -> FaultyBox:
+        self.created += 1
+        box = FaultyBox(self, await self.inner.create())
+        self.open.add(box)
+        return box
+
+    async def restore(self, snapshot_id: str) -> FaultyBox:
+        box = FaultyBox(self, await self.inner.restore(snapshot_id))
+        self.restored += 1
+        self.open.add(box)
+        return box
+
+    async def delete(self, snapshot_id: str) -> None:
+        self.deleted.append(snapshot_id)
+        await self.inner.delete(snapshot_id)
+
+
+class FlakyStore:
+    """Delegates to a real store; while `down`, every operation raises as an unreachable server would."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.down = False
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if self.down and name != "close":
+                raise StoreError("connection refused")
+            return await method(*args, **kwargs)
+
+        return call
