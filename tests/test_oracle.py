@@ -36,17 +36,31 @@ def kv_plan(seed: int, rollouts: int, length: int) -> Plan:
     return plan
 
 
-async def run_plan(cache: Any, factory: Any, plan: Plan, tools: tvcache.Tools, task: str = "t") -> list[list[Any]]:
-    async def one(calls: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+async def run_plan(
+    cache: Any, factory: Any, plan: Plan, tools: tvcache.Tools, task: str = "t", seed: int = 0
+) -> list[list[Any]]:
+    """Run every rollout of `plan` concurrently. Each pauses a random moment before each call, as an agent
+    does while it generates, so which rollout executes a shared call first (and whose sandbox falls behind,
+    to be caught up later) changes from call to call."""
+    rng = random.Random(seed)
+
+    async def one(calls: list[tuple[str, dict[str, Any]]], thinks: list[float]) -> list[Any]:
+        outputs = []
         async with cache.rollout(task, factory, tools=tools) as r:
-            return [(await r.call(tool, args)).output for tool, args in calls]
+            for (tool, args), think in zip(calls, thinks, strict=True):
+                await asyncio.sleep(think)
+                outputs.append((await r.call(tool, args)).output)
+        return outputs
+
+    thinks = [[rng.choice([0, 0, 0.001, 0.003]) for _ in calls] for calls in plan]
+    return list(await asyncio.gather(*(one(calls, t) for calls, t in zip(plan, thinks, strict=True))))
 
     return list(await asyncio.gather(*(one(calls) for calls in plan)))
 
 
-async def check_against_oracle(cache: Any, factory: Any, plan: Plan, tools: tvcache.Tools) -> int:
+async def check_against_oracle(cache: Any, factory: Any, plan: Plan, tools: tvcache.Tools, seed: int = 0) -> int:
     """Run `plan` through `cache` and return how many results differ from the uncached oracle."""
-    got = await run_plan(cache, factory, plan, tools)
+    got = await run_plan(cache, factory, plan, tools, seed=seed)
     wrong = 0
     for calls, outputs in zip(plan, got, strict=True):
         expected = await kv.execute_uncached(factory, calls, tools)
@@ -89,7 +103,7 @@ def test_kv_results_equal_uncached_history(seed: int, rollouts: int, length: int
 
     async def main() -> int:
         async with tvcache.ToolCache(snapshot_budget=budget) as cache:
-            return await check_against_oracle(cache, kv.sandboxes(), plan, kv.TOOLS)
+            return await check_against_oracle(cache, kv.sandboxes(), plan, kv.TOOLS, seed=seed)
 
     assert asyncio.run(main()) == 0
 
@@ -165,7 +179,7 @@ def test_sqlite_results_equal_uncached_history(small_db: Path, seed: int, rollou
         factory = tvcache.SQLiteSandboxes(small_db)
         try:
             async with tvcache.ToolCache(snapshot_budget=3) as cache:
-                return await check_against_oracle(cache, factory, plan, tvcache.Tools())
+                return await check_against_oracle(cache, factory, plan, tvcache.Tools(), seed=seed)
         finally:
             await factory.close()
 

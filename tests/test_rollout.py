@@ -157,13 +157,20 @@ def test_deep_misses_restore_the_deepest_snapshot() -> None:
     run(main())
 
 
-def test_snapshots_are_not_taken_when_redoing_is_cheaper() -> None:
+def test_snapshots_are_taken_only_where_redoing_costs_more() -> None:
+    big = {f"k{i}": "v" * 20 for i in range(100_000)}  # deep-copying this (a snapshot) takes tens of ms
+
     async def main() -> None:
+        boxes = tvcache.PythonSandboxes(
+            make=lambda: dict(big), run=kv.run, fingerprint="big", changed=lambda call, out: call.tool != "read"
+        )
         async with tvcache.ToolCache() as cache:
-            async with cache.rollout("t", kv.sandboxes(), kv.TOOLS) as r:
-                for i in range(5):
+            async with cache.rollout("t", boxes, kv.TOOLS) as r:
+                await r.call("write", slow(W, 0.3))  # far dearer to redo than to save
+                assert cache.stats()["snapshots"] == 1
+                for i in range(5):  # microseconds each: cheaper to redo than any snapshot
                     await r.call("append", {"key": "a", "value": str(i)})
-            assert cache.stats()["snapshots"] == 0
+            assert cache.stats()["snapshots"] == 1
 
     run(main())
 

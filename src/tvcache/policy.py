@@ -7,7 +7,7 @@ own and every store evicts by the same rule.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .stores.base import SnapshotRecord
 
@@ -15,37 +15,55 @@ __all__ = ["Costs", "choose_evictions", "should_snapshot"]
 
 
 class _Mean:
-    """An exponentially weighted mean that starts at a prior, so early decisions are not made on nothing."""
+    """An exponentially weighted mean of measured seconds (`None` until the first measurement)."""
 
     __slots__ = ("n", "value")
 
-    def __init__(self, prior: float):
-        self.value = prior
+    def __init__(self) -> None:
+        self.value: float | None = None
         self.n = 0
 
     def add(self, seconds: float) -> None:
         self.n += 1
         weight = max(0.2, 1.0 / self.n)  # plain mean for the first samples, then exponential
-        self.value += weight * (seconds - self.value)
+        self.value = seconds if self.value is None else self.value + weight * (seconds - self.value)
 
 
 @dataclass
 class Costs:
-    """What one sandbox backend's operations cost, in seconds, as measured so far."""
+    """What one sandbox backend's operations cost, in seconds, as measured so far.
 
-    create: _Mean
-    restore: _Mean
-    snapshot: _Mean
+    Until an operation has been measured, it is estimated from one that has: a backend whose sandboxes are
+    cheap to create is assumed cheap to snapshot and restore, so fast backends get snapshots (and so get
+    measured) instead of being ruled out by a pessimistic constant.
+    """
 
-    @classmethod
-    def new(cls, prior: float = 0.01) -> Costs:
-        return cls(_Mean(prior), _Mean(prior), _Mean(prior))
+    measured_create: _Mean = field(default_factory=_Mean)
+    measured_restore: _Mean = field(default_factory=_Mean)
+    measured_snapshot: _Mean = field(default_factory=_Mean)
+    prior: float = 0.01
+
+    @property
+    def create(self) -> float:
+        return _first(self.measured_create.value, self.measured_restore.value, self.prior)
+
+    @property
+    def restore(self) -> float:
+        return _first(self.measured_restore.value, self.measured_create.value, self.prior)
+
+    @property
+    def snapshot(self) -> float:
+        return _first(self.measured_snapshot.value, self.measured_restore.value, self.measured_create.value, self.prior)
+
+
+def _first(*values: float | None) -> float:
+    return next(v for v in values if v is not None)
 
 
 def should_snapshot(rebuild_seconds: float, costs: Costs) -> bool:
     """Snapshot a state when rebuilding it (restore the nearest snapshot or create, then replay the calls
     since) costs more than saving it now and restoring it later."""
-    return rebuild_seconds > costs.snapshot.value + costs.restore.value
+    return rebuild_seconds > costs.snapshot + costs.restore
 
 
 def choose_evictions(records: Iterable[SnapshotRecord], budget: int, added: bytes) -> list[SnapshotRecord]:

@@ -70,7 +70,7 @@ class Context:
         known = self.factories.get(id(sandboxes))
         if known is None:
             origin = getattr(sandboxes, "origin", None) or f"{socket.gethostname()}:{os.getpid()}:{id(sandboxes):x}"
-            known = self.factories[id(sandboxes)] = (Costs.new(), str(origin))
+            known = self.factories[id(sandboxes)] = (Costs(), str(origin))
         return known
 
 
@@ -284,15 +284,15 @@ class Rollout:
 
         catch_up = replay_cost(self._box_depth) if self._box is not None else float("inf")
         fresh_warm = self._ctx.warm.fresh_count(self._sandboxes, self._key) > 0
-        fresh = (0.0 if fresh_warm else costs.create.value) + replay_cost(0)
+        fresh = (0.0 if fresh_warm else costs.create) + replay_cost(0)
         lease: Lease | None = None
-        if use_store and target > 0 and min(catch_up, fresh) > costs.restore.value:
+        if use_store and target > 0 and min(catch_up, fresh) > costs.restore:
             lease = await self._lease(self._box_depth + 1 if self._box is not None else 1, target)
         try:
             if lease is not None:
                 depth = self._depth_of(lease.node)
                 warm = self._ctx.warm.fork_count(self._sandboxes, lease.snapshot_id) > 0
-                restore = (0.0 if warm else costs.restore.value) + replay_cost(depth)
+                restore = (0.0 if warm else costs.restore) + replay_cost(depth)
                 if restore < min(catch_up, fresh):
                     restored = await self._restore(lease)
                     if restored is not None:
@@ -334,7 +334,7 @@ class Rollout:
             log.warning("restore of snapshot %s failed (%s); falling back", lease.snapshot_id, exc)
             await self._quietly(self._ctx.store.drop_snapshot(self._key, self._origin, lease.node, lease.snapshot_id))
             return None
-        self._costs.restore.add(time.perf_counter() - t0)
+        self._costs.measured_restore.add(time.perf_counter() - t0)
         stats.restores += 1
         return box
 
@@ -345,7 +345,7 @@ class Rollout:
             return box
         t0 = time.perf_counter()
         box = await self._sandboxes.create()
-        self._costs.create.add(time.perf_counter() - t0)
+        self._costs.measured_create.add(time.perf_counter() - t0)
         self._ctx.stats.creates += 1
         return box
 
@@ -385,7 +385,7 @@ class Rollout:
         depth = len(self._steps)
         base = self._known_snapshot_depth
         rebuild = self._replay_seconds(depth, base)
-        rebuild += self._costs.restore.value if base else self._costs.create.value
+        rebuild += self._costs.restore if base else self._costs.create
         if not should_snapshot(rebuild, self._costs):
             return
         t0 = time.perf_counter()
@@ -395,7 +395,7 @@ class Rollout:
             log.warning("snapshot failed: %s", exc)
             await self._drop_box()
             return
-        self._costs.snapshot.add(time.perf_counter() - t0)
+        self._costs.measured_snapshot.add(time.perf_counter() - t0)
         stats = self._ctx.stats
         stats.snapshots += 1
         path = [self._root, *(s.node for s in self._steps)]
