@@ -16,6 +16,7 @@ from .graph import Entry, Scope
 from .rollout import Result, Rollout
 from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
 from .stores.base import Store, StoreError
+from .sync import SyncRollout, SyncToolCache
 
 __all__ = [
     "Entry",
@@ -30,6 +31,8 @@ __all__ = [
     "Scope",
     "Store",
     "StoreError",
+    "SyncRollout",
+    "SyncToolCache",
     "ToolCache",
     "ToolCall",
     "Tools",

@@ -1,0 +1,91 @@
+"""A thin synchronous wrapper for agent loops that are not async (e.g. gym-style `env.step()`).
+
+The cache runs on an event loop in a background thread; each method blocks until its coroutine there is done.
+Use it from any number of threads: calls of one rollout must still be issued in order, as with the async API.
+
+    cache = tvcache.SyncToolCache()
+    with cache.rollout("task-17", boxes) as r:
+        r.call("sql", {"query": "SELECT 1"}).output
+    cache.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, contextmanager
+from typing import Any, TypeVar
+
+from .cache import ToolCache
+from .calls import Tools
+from .rollout import Result, Rollout
+from .sandboxes.base import Sandboxes
+
+__all__ = ["SyncRollout", "SyncToolCache"]
+
+T = TypeVar("T")
+
+
+class SyncRollout:
+    def __init__(self, owner: SyncToolCache, rollout: Rollout):
+        self._owner, self._rollout = owner, rollout
+
+    def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
+        return self._owner._run(self._rollout.call(tool, args))
+
+    @property
+    def detached(self) -> bool:
+        return self._rollout.detached
+
+
+class SyncToolCache:
+    """`ToolCache` with blocking methods; takes the same arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tvcache-loop", daemon=True)
+        self._thread.start()
+
+        async def make() -> ToolCache:
+            return ToolCache(*args, **kwargs)
+
+        self.cache = self._run(make())
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @contextmanager
+    def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools | None = None) -> Iterator[SyncRollout]:
+        manager: AbstractAsyncContextManager[Rollout] = self.cache.rollout(task, sandboxes, tools)
+        rollout = self._run(manager.__aenter__())
+        try:
+            yield SyncRollout(self, rollout)
+        except BaseException as exc:
+            self._run(manager.__aexit__(type(exc), exc, exc.__traceback__))
+            raise
+        else:
+            self._run(manager.__aexit__(None, None, None))
+
+    def prefetch(self, tasks: Iterable[str], sandboxes: Sandboxes, rollouts: int = 8) -> None:
+        """Start warming sandboxes in the background and return at once."""
+        self._run(self.cache.prefetch(list(tasks), sandboxes, rollouts))
+
+    def stats(self) -> dict[str, float]:
+        return self.cache.stats()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self.cache.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> SyncToolCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

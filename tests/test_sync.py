@@ -1,0 +1,43 @@
+"""The blocking wrapper: same results and the same cleanup as the async API, from several threads."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+import kv
+import tvcache
+from faults import FaultySandboxes
+
+CALLS = [("write", {"key": "a", "value": "x"}), ("read", {"key": "a"}), ("append", {"key": "a", "value": "y"})]
+
+
+def test_sync_rollouts_from_threads_share_the_cache() -> None:
+    boxes = FaultySandboxes(kv.sandboxes())
+    results: list[list[Any]] = []
+    with tvcache.SyncToolCache() as cache:
+
+        def rollout() -> None:
+            with cache.rollout("t", boxes, kv.TOOLS) as r:
+                results.append([r.call(tool, args).output for tool, args in CALLS])
+
+        threads = [threading.Thread(target=rollout) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = cache.stats()
+    assert results == [["ok", "x", 2]] * 4
+    assert (stats["executions"], stats["hits"]) == (3, 9)
+    assert not boxes.open
+
+
+def test_sync_rollout_closes_its_sandbox_when_the_agent_raises() -> None:
+    boxes = FaultySandboxes(kv.sandboxes())
+    with tvcache.SyncToolCache() as cache:
+        with pytest.raises(KeyError), cache.rollout("t", boxes, kv.TOOLS) as r:
+            r.call("write", {"key": "a", "value": "x"})
+            raise KeyError("agent crashed")
+        assert not boxes.open
