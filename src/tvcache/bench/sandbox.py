@@ -1,0 +1,198 @@
+"""`tvcache bench sandbox`: what a workspace sandbox fork costs, next to copying the workspace.
+
+For a base of at least 300 MB in many files (generated once under /var/tmp and reused, unless `base` is
+given), it measures in one run, each as a median over repetitions:
+
+- create: a fresh sandbox (overlay mounts and a network namespace),
+- snapshot: freezing a sandbox whose upper dir holds a 1 MB diff into a layer (the sandbox keeps running),
+- restore: a new sandbox on top of that snapshot,
+- restore + `true`: the same, plus its first bash command (what a fork costs before it does anything),
+- one `true` command: a fresh bash in fresh namespaces, chrooted into the sandbox,
+- `cp -a` of the base into the same tmp directory, the copy-based fork it replaces.
+
+Targets: snapshot and restore each under 5 ms and at least 100 times faster than `cp -a`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..calls import ToolCall
+from ..sandboxes.workspace import WorkspaceSandboxes
+
+__all__ = ["DEFAULT_BASE", "main", "make_base", "print_table", "run"]
+
+DEFAULT_BASE = Path("/var/tmp/tvcache-bench-base-300m")
+FILES, DIRS, FILE_SIZE = 6000, 60, 50_000  # 300 MB
+TARGET_MS, TARGET_RATIO = 5.0, 100.0
+REPEATS = 25
+COPY_REPEATS = 3
+
+
+def make_base(path: Path = DEFAULT_BASE) -> Path:
+    """A 300 MB tree of 6,000 files in 60 directories, made once and reused (a marker records it is done)."""
+    marker = path / ".complete"
+    if marker.exists():
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    chunk = os.urandom(FILE_SIZE)
+    for i in range(FILES):
+        d = path / f"pkg{i % DIRS:02d}"
+        d.mkdir(exist_ok=True)
+        # Distinct contents (a counter up front), one random block behind: fast to write, never deduplicated.
+        (d / f"module{i:05d}.dat").write_bytes(i.to_bytes(8, "little") + chunk[8:])
+    marker.write_text(f"{FILES} files of {FILE_SIZE} bytes\n")
+    return path
+
+
+def _tree_size(path: Path) -> tuple[int, int]:
+    size = files = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            size += os.lstat(os.path.join(root, name)).st_size
+            files += 1
+    return size, files
+
+
+async def _timed(repeats: int, setup: Callable[[], Awaitable[Any]], op: Callable[[Any], Awaitable[Any]]) -> list[float]:
+    """Milliseconds of `op(setup())`, untimed set-up and clean-up (`op`'s result is closed if it can be)."""
+    times = []
+    for _ in range(repeats):
+        arg = await setup()
+        start = time.perf_counter()
+        result = await op(arg)
+        times.append((time.perf_counter() - start) * 1000)
+        if hasattr(result, "close"):
+            await result.close()
+    return times
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    return {
+        "median_ms": statistics.median(ordered),
+        "p90_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.9))],
+        "n": len(ordered),
+    }
+
+
+async def run(base: str | None = None, *, repeats: int = REPEATS, copy_repeats: int = COPY_REPEATS) -> dict[str, Any]:
+    """Measure and return the figures (milliseconds) as a JSON-able dict."""
+    base_path = Path(base) if base is not None else await asyncio.to_thread(make_base)
+    size, files = await asyncio.to_thread(_tree_size, base_path)
+    true = ToolCall("bash", {"command": "true"})
+    diff = ToolCall("bash", {"command": "head -c 1048576 /dev/urandom > /tmp/diff.bin"})
+    async with WorkspaceSandboxes(base_path) as boxes:
+        tmp = boxes._run.path.parent.parent  # the tmp directory uppers live in: copies go there too
+        warm = await boxes.create()  # the factory's first sandbox also learns the initial shell state
+        await warm.execute(true)
+        ops: dict[str, list[float]] = {}
+
+        async def nothing() -> None:
+            return None
+
+        ops["create"] = await _timed(repeats, nothing, lambda _: boxes.create())
+
+        async def dirty_box() -> Any:
+            await warm.execute(diff)
+            return warm
+
+        snapshots: list[str] = []
+
+        async def snapshot(box: Any) -> None:
+            snapshots.append(await box.snapshot())
+
+        ops["snapshot (1 MB diff)"] = await _timed(repeats, dirty_box, snapshot)
+        snap = snapshots[-1]
+
+        async def restore(_: Any) -> Any:
+            return await boxes.restore(snap)
+
+        ops["restore"] = await _timed(repeats, nothing, restore)
+
+        async def restore_and_run(_: Any) -> Any:
+            box = await boxes.restore(snap)
+            await box.execute(true)
+            return box
+
+        ops["restore + `true`"] = await _timed(repeats, nothing, restore_and_run)
+
+        async def run_true(box: Any) -> None:
+            await box.execute(true)
+
+        async def the_warm_box() -> Any:
+            return warm
+
+        ops["one `true` command"] = await _timed(repeats * 2, the_warm_box, run_true)
+        mode = boxes.mode
+
+        def copy_once() -> float:
+            dest = Path(tempfile.mkdtemp(prefix="tvcache-bench-cp-", dir=tmp))
+            try:
+                start = time.perf_counter()
+                subprocess.run(["cp", "-a", "--", f"{base_path}/.", str(dest)], check=True)
+                return (time.perf_counter() - start) * 1000
+            finally:
+                shutil.rmtree(dest, ignore_errors=True)
+
+        ops["cp -a of the base"] = [await asyncio.to_thread(copy_once) for _ in range(copy_repeats)]
+
+    figures = {name: _summary(times) for name, times in ops.items()}
+    copy_ms = figures["cp -a of the base"]["median_ms"]
+    for fig in figures.values():
+        fig["times_faster_than_cp_a"] = copy_ms / fig["median_ms"] if fig["median_ms"] > 0 else float("inf")
+    met = all(
+        figures[name]["median_ms"] < TARGET_MS and figures[name]["times_faster_than_cp_a"] >= TARGET_RATIO
+        for name in ("snapshot (1 MB diff)", "restore")
+    )
+    return {
+        "base": str(base_path),
+        "base_bytes": size,
+        "base_files": files,
+        "mode": mode,
+        "tmp": str(tmp),
+        "figures": figures,
+        "targets": {"max_ms": TARGET_MS, "min_times_faster": TARGET_RATIO, "met": met},
+    }
+
+
+def print_table(result: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(
+        title=(
+            f"Workspace sandboxes ({result['mode']} mode): base {result['base_bytes'] / 1e6:.0f} MB in "
+            f"{result['base_files']:,} files at {result['base']}, uppers and copies in {result['tmp']}"
+        )
+    )
+    for column in ("operation", "median", "p90", "runs", "vs cp -a"):
+        table.add_column(column, justify="left" if column == "operation" else "right")
+    for name, fig in result["figures"].items():
+        ratio = "1x" if name.startswith("cp -a") else f"{fig['times_faster_than_cp_a']:,.0f}x faster"
+        table.add_row(name, f"{fig['median_ms']:.2f} ms", f"{fig['p90_ms']:.2f} ms", str(fig["n"]), ratio)
+    console.print(table)
+    targets = result["targets"]
+    verdict = "[green]met[/green]" if targets["met"] else "[red]NOT met[/red]"
+    console.print(
+        f"Target: snapshot and restore each under {targets['max_ms']:g} ms and at least "
+        f"{targets['min_times_faster']:g}x faster than cp -a: {verdict}"
+    )
+
+
+async def main(base: str | None = None) -> dict[str, Any]:
+    """Run the benchmark, print its table, and return the figures."""
+    result = await run(base)
+    print_table(result)
+    return result

@@ -1,0 +1,283 @@
+"""Run one bash command in fresh namespaces, chrooted into a sandbox's root, and capture the shell's state.
+
+Every command gets its own bash. What a terminal would keep between commands, the working directory and the
+exported environment, is saved by an EXIT trap into a private pipe and replayed by a prelude before the next
+command, so it also survives snapshots and forks. The process chain is
+
+    [nsenter [--user --mount] [--net=NETNS]] unshare --mount --pid --fork --kill-child --ipc --uts
+        --root=ROOT --mount-proc  [setpriv --bounding-set=-...]  bash --noprofile --norc -c PRELUDE+COMMAND
+
+- bash is PID 1 of a new PID namespace: when it exits, the kernel kills everything it left running, and a
+  timeout kills `unshare`, whose `--kill-child` takes the namespace down with it.
+- NETNS is the sandbox's private network namespace (loopback only, already up), made once per sandbox.
+- setpriv (the sandbox's own) drops the capabilities that could reach outside the root (mount, chroot,
+  mknod, raw I/O, modules, ...), so even root inside cannot undo the chroot.
+- bash starts with an empty environment and the prelude declares the saved exports, so an `unset` in one
+  command stays unset in the next.
+
+Processes are started with a plain fork/exec and awaited through a pidfd on the event loop: asyncio's own
+subprocess machinery (a thread per child) costs several milliseconds more per command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["BoundedOutput", "CommandResult", "ShellState", "run_bash", "truncated_text"]
+
+#: The file descriptor the EXIT trap writes the shell state to; high so scripts' own `exec 3>...` miss it.
+STATE_FD = 253
+#: Where the sandbox's cgroup.procs is passed, for bash to join before the command runs.
+CGROUP_FD = 252
+
+#: Capabilities removed from the sandboxed shell: those that could mount, escape the chroot, create device
+#: nodes, touch hardware or the kernel, or reconfigure a shared network namespace.
+DROPPED_CAPS = (
+    "sys_admin,sys_chroot,mknod,sys_module,sys_rawio,sys_boot,sys_time,net_admin,linux_immutable,"
+    "mac_admin,mac_override,syslog,sys_pacct,audit_control,wake_alarm,block_suspend,bpf,perfmon"
+)
+
+SETPRIV = ["setpriv", "--bounding-set=-" + DROPPED_CAPS.replace(",", ",-")]
+
+# $? first: the trap must not change the exit status. PWD, OLDPWD and SHLVL are bash's own and saved apart.
+_TRAP = (
+    'trap \'__tvcache_rc=$?; { printf "%s\\0%s\\0%s\\0" "$__tvcache_rc" "$PWD" "${OLDPWD-}"; '
+    f"unset PWD OLDPWD SHLVL __tvcache_rc; export -p; }} >&{STATE_FD} 2>/dev/null' EXIT"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ShellState:
+    """What carries over from one command to the next: the working directories and the exported variables.
+
+    `exports` is bash's own `export -p` text (replayed verbatim), or None for the initial environment that
+    the factory passes to the process.
+    """
+
+    cwd: bytes
+    oldpwd: bytes = b""
+    exports: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    output: str
+    exit_code: int | None
+    timed_out: bool
+    state: ShellState
+    """The shell state after the command (the previous one if the command left none, e.g. after `exec`)."""
+
+
+class BoundedOutput:
+    """Collects a stream, keeping at most `limit` bytes: the first and the last half when it is longer."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.total = 0
+        self._head = bytearray()
+        self._tail = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.limit - len(self._head)
+        if room > 0:
+            self._head += data[:room]
+            data = data[room:]
+        if data:
+            self._tail += data
+            if len(self._tail) > 2 * self.limit:
+                del self._tail[: len(self._tail) - self.limit]
+
+    def head(self) -> bytes:
+        return bytes(self._head)
+
+    def text(self) -> str:
+        if self.total <= self.limit:
+            return self._head.decode(errors="replace")
+        half = self.limit // 2
+        tail = bytes((self._head[half:] + self._tail)[-(self.limit - half) :])
+        return truncated_text(bytes(self._head[:half]), tail, self.total)
+
+
+def truncated_text(head: bytes, tail: bytes, total: int) -> str:
+    """`head`, a marker line saying what was left out, and `tail`, as text."""
+    marker = (
+        f"\n[... {total - len(head) - len(tail)} bytes of output omitted: {total} bytes in all, "
+        f"the first {len(head)} and the last {len(tail)} are shown ...]\n"
+    )
+    return head.decode(errors="replace") + marker + tail.decode(errors="replace")
+
+
+def bash_quote(value: bytes) -> bytes:
+    return b"'" + value.replace(b"'", b"'\\''") + b"'"
+
+
+def _high_fd(fd: int, at_least: int) -> int:
+    """Move `fd` to the lowest free number >= `at_least` (nearly always exactly that), so the prelude, which
+    `ps` shows as bash's command line, reads the same in every process."""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, at_least)
+    finally:
+        os.close(fd)
+
+
+def _prelude(state: ShellState, cgroup_fd: int | None, state_fd: int) -> bytes:
+    lines = []
+    if cgroup_fd is not None:
+        # Join the sandbox's pids cgroup before anything runs, so a fork bomb is capped there.
+        lines.append(f"echo 0 >&{cgroup_fd} 2>/dev/null; exec {cgroup_fd}>&-".encode())
+    if state_fd != STATE_FD:
+        lines.append(f"exec {STATE_FD}>&{state_fd} {state_fd}>&-".encode())
+    if state.exports is not None:
+        lines.append(b"{\n" + state.exports + b"\n} 2>/dev/null")
+    lines.append(b"cd -- " + bash_quote(state.cwd) + b" 2>/dev/null || cd /")
+    # Put OLDPWD back as it was (the `cd` above just set it); "exported, no value" is how bash starts.
+    lines.append(b"OLDPWD=" + bash_quote(state.oldpwd) if state.oldpwd else b"unset OLDPWD; declare -x OLDPWD")
+    lines.append(_TRAP.encode())
+    return b"\n".join(lines) + b"\n"
+
+
+def _parse_state(dump: bytes, previous: ShellState) -> ShellState:
+    parts = dump.split(b"\0", 3)
+    if len(parts) < 4:
+        return previous  # no dump: the command replaced the shell (`exec`) or its EXIT trap
+    _, cwd, oldpwd, exports = parts
+    return ShellState(cwd=cwd, oldpwd=oldpwd, exports=exports.rstrip(b"\n"))
+
+
+class _Reader:
+    """Reads a non-blocking pipe on the event loop into a BoundedOutput until EOF."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, sink: BoundedOutput):
+        self.loop, self.fd, self.sink = loop, fd, sink
+        self.done: asyncio.Future[None] = loop.create_future()
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:
+            while data := os.read(self.fd, 1 << 16):
+                self.sink.feed(data)
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        if not self.done.done():
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.done.set_result(None)
+
+
+def _wait_exit(loop: asyncio.AbstractEventLoop, proc: subprocess.Popen[bytes]) -> asyncio.Future[int]:
+    """A future for the process's exit status, woken by its pidfd."""
+    done: asyncio.Future[int] = loop.create_future()
+    pidfd = os.pidfd_open(proc.pid)
+
+    def on_exit() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        if not done.done():
+            done.set_result(proc.wait())
+
+    loop.add_reader(pidfd, on_exit)
+    return done
+
+
+async def run_bash(
+    enter: Sequence[str],
+    root: str,
+    command: str,
+    state: ShellState,
+    *,
+    env: dict[str, str],
+    drop_caps: bool,
+    timeout: float,
+    max_output: int,
+    cgroup_procs: str | None,
+) -> CommandResult:
+    """Run `command` as described in the module docstring and return its output, exit code and new state.
+
+    `enter` is the nsenter prefix (may be empty). `env` is the process environment; it reaches bash only
+    when `state.exports` is None (the first command of a factory).
+    """
+    loop = asyncio.get_running_loop()
+    script = command.encode(errors="surrogateescape")
+    out_r, out_w = os.pipe()
+    state_r, state_w = os.pipe()
+    state_w = _high_fd(state_w, STATE_FD)
+    cgroup_fd = None
+    if cgroup_procs is not None:
+        with contextlib.suppress(OSError):
+            cgroup_fd = _high_fd(os.open(cgroup_procs, os.O_WRONLY | os.O_CLOEXEC), CGROUP_FD)
+    script = _prelude(state, cgroup_fd, state_w) + script
+    argv: list[str | bytes] = [
+        *enter,
+        "unshare",
+        "--mount",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--ipc",
+        "--uts",
+        f"--root={root}",
+        "--mount-proc",
+        "--",
+        *(SETPRIV if drop_caps else []),
+        "bash",
+        "--noprofile",
+        "--norc",
+        "-c",
+        script,
+    ]
+    fds = (state_w,) if cgroup_fd is None else (state_w, cgroup_fd)
+    try:
+        proc = subprocess.Popen(  # noqa: ASYNC220 - a vfork+exec, far cheaper than asyncio's machinery
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out_w,
+            stderr=out_w,
+            pass_fds=fds,
+            env=env if state.exports is None else {},
+        )
+    except BaseException:
+        os.close(out_r)
+        os.close(state_r)
+        raise
+    finally:
+        for fd in (out_w, *fds):
+            os.close(fd)
+    output = BoundedOutput(max_output)
+    dump = BoundedOutput(1 << 26)
+    readers = [_Reader(loop, out_r, output), _Reader(loop, state_r, dump)]
+    exited = _wait_exit(loop, proc)
+    everything = asyncio.gather(*(r.done for r in readers), exited)
+    timed_out = False
+    try:
+        try:
+            await asyncio.wait_for(asyncio.shield(everything), timeout)
+        except TimeoutError:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()  # --kill-child: the PID namespace dies with unshare
+            await asyncio.wait_for(everything, 30)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+        for reader in readers:
+            reader.close()
+        raise
+    if timed_out:
+        return CommandResult(output.text(), None, True, state)
+    code = exited.result()
+    exit_code = code if code >= 0 else 128 - code
+    return CommandResult(output.text(), exit_code, False, _parse_state(dump.head(), state))

@@ -1,0 +1,218 @@
+"""Sandboxes over in-process Python objects.
+
+`PythonSandboxes(make, run, fingerprint)` turns any Python object into a sandbox: `make()` builds a fresh state
+object, `run(obj, call)` executes one tool call against it and returns the output. `run` may be a plain
+function, which runs on the event loop's thread and so should be quick, or a coroutine function (for slow
+work: await it, or hand it to `asyncio.to_thread` inside). A snapshot is a deep copy kept by the factory; a
+restore hands out a deep copy of that, so snapshots stay immutable whatever later calls do to restored objects.
+
+Whether a call changed the state is observed, by default, by comparing a digest of `pickle.dumps(obj)` taken
+before and after the call. That costs one serialisation of the whole state per call (each call's "after"
+digest is the next call's "before"), which is cheap for the small states this backend is meant for (a dict
+of records, a simulated API). A state that pickles differently without a real change (a set rebuilt in
+another order) only costs cache hits, never correctness: it is reported as changed.
+
+Where pickling is too slow or impossible, pass `changed(call, output) -> bool | None`. It sees what a user
+can reason about without copying the state: the call and the answer it got ("`book_*` tools change the state
+unless they answered with an error"). A function over the state itself would need a copy of the state from
+before every call, which is exactly the cost it is meant to avoid. Returning None means "cannot tell", and
+the cache then assumes the call changed the state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import inspect
+import itertools
+import json
+import pickle
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+from ..calls import ToolCall
+from .base import Outcome, Output, SandboxError
+
+__all__ = ["ChangedFunction", "PythonSandbox", "PythonSandboxes", "RunFunction"]
+
+S = TypeVar("S")
+
+#: Executes one call against a state object; may be a plain function or a coroutine function.
+RunFunction = Callable[[S, ToolCall], Output | Awaitable[Output]]
+#: Tells from a call and its output whether the call changed the state (None: cannot tell).
+ChangedFunction = Callable[[ToolCall, Output], bool | None]
+
+
+class PythonSandboxes(Generic[S]):
+    """A factory of sandboxes that are in-process Python objects.
+
+    `fingerprint` names the starting state `make()` builds (e.g. a hash of the data it loads): cached results
+    are only shared between factories with the same fingerprint, so change it whenever `make` or `run`
+    changes behaviour.
+    """
+
+    def __init__(
+        self,
+        make: Callable[[], S],
+        run: RunFunction[S],
+        fingerprint: str,
+        *,
+        changed: ChangedFunction | None = None,
+    ) -> None:
+        if not callable(make) or not callable(run):
+            raise TypeError("make and run must be callables: make() -> state, run(state, call) -> output")
+        if changed is not None and not callable(changed):
+            raise TypeError("changed must be a callable changed(call, output) -> bool | None, or None")
+        if not isinstance(fingerprint, str) or not fingerprint:
+            raise ValueError(f"fingerprint must be a non-empty string, got {fingerprint!r}")
+        self._make = make
+        self._run = run
+        self._changed = changed
+        self._fingerprint = fingerprint
+        # Ids carry a random token so an id recorded by an earlier process (a durable cache) can never name
+        # a snapshot of this factory by accident: it is simply unknown here.
+        self._token = secrets.token_hex(6)
+        self._ids = itertools.count(1)
+        self._snapshots: dict[str, S] = {}
+        self._closed = False
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    async def create(self) -> PythonSandbox[S]:
+        self._check_open()
+        obj = self._make()
+        if self._changed is None:
+            # Fail here, with a clear message, rather than reporting "cannot tell" on every call.
+            try:
+                pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                raise TypeError(
+                    f"make() returned an object that cannot be pickled ({type(exc).__name__}: {exc}); "
+                    "make it picklable or pass changed=..."
+                ) from exc
+        return PythonSandbox(self, obj)
+
+    async def restore(self, snapshot_id: str) -> PythonSandbox[S]:
+        self._check_open()
+        try:
+            kept = self._snapshots[snapshot_id]
+        except KeyError:
+            raise SandboxError(f"snapshot {snapshot_id!r} does not exist (deleted, or never made here)") from None
+        return PythonSandbox(self, copy.deepcopy(kept))
+
+    async def delete(self, snapshot_id: str) -> None:
+        # Deleting twice is harmless: eviction and cleanup may race.
+        self._snapshots.pop(snapshot_id, None)
+
+    async def close(self) -> None:
+        """Drop every snapshot; the factory cannot be used afterwards."""
+        self._closed = True
+        self._snapshots.clear()
+
+    @property
+    def snapshot_count(self) -> int:
+        """How many snapshots the factory holds (for tests and monitoring)."""
+        return len(self._snapshots)
+
+    def _keep(self, obj: S) -> str:
+        self._check_open()
+        snapshot_id = f"py-{self._token}-{next(self._ids)}"
+        self._snapshots[snapshot_id] = copy.deepcopy(obj)
+        return snapshot_id
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError("this PythonSandboxes factory is closed")
+
+
+class PythonSandbox(Generic[S]):
+    """One live state object. Calls on it run one at a time, in the order they arrive."""
+
+    def __init__(self, factory: PythonSandboxes[S], obj: S) -> None:
+        self._factory = factory
+        self._obj = obj
+        self._closed = False
+        # An async `run` yields to the loop mid-call; the lock keeps a second call (or a snapshot) from
+        # seeing, or measuring, a state half-way through the first.
+        self._lock = asyncio.Lock()
+        # Digest of the state as it is now, or None when it must be recomputed (start, after a failed call).
+        self._digest: bytes | None = None
+
+    @property
+    def state(self) -> S:
+        """The live state object (for inspection; changing it behind the cache's back breaks its results)."""
+        self._check_open()
+        return self._obj
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        async with self._lock:
+            self._check_open()
+            return await self._execute(call)
+
+    async def _execute(self, call: ToolCall) -> Outcome:
+        user_changed = self._factory._changed
+        before = None if user_changed is not None else self._current_digest()
+        try:
+            result = self._factory._run(self._obj, call)
+            if inspect.isawaitable(result):
+                result = await result
+        except BaseException:
+            # The call may have changed the state half-way: measure it afresh next time.
+            self._digest = None
+            raise
+        output = _as_output(result, call)
+        if user_changed is not None:
+            return Outcome(output, changed=user_changed(call, output))
+        self._digest = after = _digest(self._obj)
+        changed = None if before is None or after is None else before != after
+        return Outcome(output, changed=changed)
+
+    async def snapshot(self) -> str:
+        async with self._lock:
+            self._check_open()
+            return self._factory._keep(self._obj)
+
+    async def close(self) -> None:
+        self._closed = True
+        self._obj = None  # type: ignore[assignment]  # release the state; a closed sandbox refuses calls
+
+    def _current_digest(self) -> bytes | None:
+        if self._digest is None:
+            self._digest = _digest(self._obj)
+        return self._digest
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError("this sandbox is closed")
+
+
+def _digest(obj: object) -> bytes | None:
+    """blake2b of the pickled object, or None when it cannot be pickled (then nobody can tell)."""
+    try:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return None
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _as_output(result: Any, call: ToolCall) -> Output:
+    """Check that `run` returned an Output; give lists and dicts back as a store would.
+
+    A list or dict goes through a JSON round trip: the caller gets a private copy, never an alias of the
+    state that a later call could mutate, in the same shape (tuples as lists, string keys) a hit from a
+    serialising store will have, so a miss and a hit look alike.
+    """
+    if result is None or isinstance(result, str | bytes | bool | int | float):
+        return result
+    if isinstance(result, list | dict):
+        try:
+            return json.loads(json.dumps(result))  # type: ignore[no-any-return]
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"run() returned a {type(result).__name__} that is not JSON for {call!r}: {exc}") from exc
+    raise TypeError(
+        f"run() must return str, bytes, None, a number, or a JSON list/dict; got {type(result).__name__} for {call!r}"
+    )

@@ -1,0 +1,707 @@
+"""Sandboxes over a SQLite database: one tool, `sql`, with args `{"query": str}`.
+
+Every sandbox is a private copy of the database file in a directory on tmpfs, opened by one connection that
+only the sandbox's own worker thread uses, so a slow query never blocks the event loop.
+
+**Output.** One statement per call. A statement that returns rows gives a text table: a header line with
+the column names, then one line per row; columns are separated by two spaces and padded to the width of
+their longest cell; a column whose shown values are all numbers (NULLs aside) is right-aligned, others
+left-aligned; the last column is not padded. NULL shows as `NULL`, floats as Python's `repr`, blobs as
+`x'0a1b'`, and newlines, carriage returns and tabs inside values as `\\n`, `\\r`, `\\t`, so a row is one line.
+As in SkyRL-SQL's text2sql environment, a table longer than 9,000 characters is replaced by
+`"Truncated to 50 lines since returned response too long: "`, a newline, and the table of its first 50
+rows. (SkyRL formats with pandas from a `frozenset` of the rows, which drops duplicates and reorders rows
+differently in every process; here rows keep SQLite's order, so outputs are deterministic, and rows past
+the truncation point are not even fetched.) A statement that returns no rows gives `OK` (DDL) or
+`OK, 3 rows affected` (INSERT/UPDATE/DELETE). An SQL error is an ordinary output, `Error: <message>`; only a
+timeout is an `error=True` outcome.
+
+**Changed or not.** A call changed the state when the connection's `total_changes` moved, or the main
+file's change counter or schema cookie moved (DDL, ANALYZE and REINDEX change no rows), or the temp
+schema's version moved (temp views and tables live in the connection, not the file).
+
+**Snapshots** are a byte copy of the file (exact, so a restored copy is the same database, page for page)
+plus, when the connection holds temp objects, a dump of its temp schema (schema rows and table rows); a
+restore copies the file and re-creates the temp objects, in their original order, with their rows and
+rowids.
+
+**What a query may not do.** A sandbox must neither reach other files nor depend on state that a snapshot
+cannot carry, so an authorizer refuses: ATTACH and DETACH (and with them VACUUM, which attaches
+internally), `load_extension`, transaction control (each call is its own transaction), PRAGMAs other than
+read-only introspection, the connection-state functions `last_insert_rowid()`, `changes()` and
+`total_changes()`, and ANALYZE or virtual tables in the temp schema. The refusal is an ordinary output
+`Error: not authorized (...)`. Reads of a temp object's `rootpage` give NULL (page numbers are the one thing
+a re-created temp schema does not reproduce).
+
+The fingerprint is a blake2b content hash of the database the sandboxes start from, prefixed with the
+output format's version, so a change of either gives cached results a new scope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import os
+import pickle
+import secrets
+import shutil
+import sqlite3
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+from ..calls import ToolCall
+from .base import Outcome, SandboxError
+
+__all__ = ["MAX_OUTPUT_CHARS", "TRUNCATED_ROWS", "TRUNCATION_NOTE", "SQLiteSandbox", "SQLiteSandboxes"]
+
+T = TypeVar("T")
+
+TOOL = "sql"
+MAX_OUTPUT_CHARS = 9000
+TRUNCATED_ROWS = 50
+TRUNCATION_NOTE = "Truncated to 50 lines since returned response too long: "
+#: Bump when outputs change for the same database and query: it is part of the fingerprint.
+FORMAT_VERSION = "v1"
+
+_SEPARATOR = "  "
+_FETCH_BATCH = 256
+# The progress handler runs every this many SQLite VM instructions: often enough to stop a runaway query
+# within milliseconds, rarely enough to cost nothing measurable.
+_PROGRESS_STEPS = 1000
+# How long past its timeout a query may run before the event loop side interrupts it itself (a single VM
+# instruction, such as a big sort, can outlast the progress handler's checks).
+_WATCHDOG_GRACE = 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Formatting results
+
+
+def format_rows(cursor: sqlite3.Cursor) -> str:
+    """The text of a statement's result rows, truncated as described in the module docstring."""
+    names = [_cell(column[0]) for column in cursor.description]
+    separators = len(_SEPARATOR) * (len(names) - 1)
+    # Padding only adds characters, so the plain length of the cells is a lower bound on the table's length:
+    # once it passes the limit the table is certainly truncated, and the rows past the 50th are not needed.
+    floor = sum(map(len, names)) + separators
+    rows: list[tuple[Any, ...]] = []
+    while batch := cursor.fetchmany(_FETCH_BATCH):
+        for row in batch:
+            rows.append(row)
+            floor += 1 + separators + sum(len(_cell(value)) for value in row)
+            if floor > MAX_OUTPUT_CHARS and len(rows) >= TRUNCATED_ROWS:
+                return TRUNCATION_NOTE + "\n" + _table(names, rows[:TRUNCATED_ROWS])
+    text = _table(names, rows)
+    if len(text) <= MAX_OUTPUT_CHARS:
+        return text
+    return TRUNCATION_NOTE + "\n" + _table(names, rows[:TRUNCATED_ROWS])
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, bytes):
+        return f"x'{value.hex()}'"
+    if isinstance(value, str):
+        return value.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    return str(value)
+
+
+def _table(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[_cell(value) for value in row] for row in rows]
+    right = [
+        any(row[i] is not None for row in rows)
+        and all(row[i] is None or isinstance(row[i], int | float) for row in rows)
+        for i in range(len(names))
+    ]
+    widths = [max([len(name), *(len(line[i]) for line in cells)]) for i, name in enumerate(names)]
+    last = len(names) - 1
+
+    def line(values: Sequence[str]) -> str:
+        parts = [
+            value.rjust(widths[i]) if right[i] else value if i == last else value.ljust(widths[i])
+            for i, value in enumerate(values)
+        ]
+        return _SEPARATOR.join(parts)
+
+    return "\n".join([line(names), *(line(row) for row in cells)])
+
+
+def _ok(rowcount: int) -> str:
+    if rowcount < 0:
+        return "OK"
+    return f"OK, {rowcount} row{'' if rowcount == 1 else 's'} affected"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a query may do
+
+# Introspection pragmas: allowed with any argument, they only read.
+_READ_PRAGMAS = frozenset(
+    {
+        "collation_list",
+        "compile_options",
+        "foreign_key_check",
+        "foreign_key_list",
+        "function_list",
+        "index_info",
+        "index_list",
+        "index_xinfo",
+        "integrity_check",
+        "module_list",
+        "pragma_list",
+        "quick_check",
+        "table_info",
+        "table_list",
+        "table_xinfo",
+    }
+)
+# Settings that may be read but not set (setting them changes the file header or the connection).
+_QUERY_PRAGMAS = frozenset(
+    {"application_id", "auto_vacuum", "encoding", "foreign_keys", "page_size", "recursive_triggers", "user_version"}
+)
+_DENIED_FUNCTIONS = {
+    "load_extension": "extensions cannot be loaded",
+    "last_insert_rowid": "last_insert_rowid() is connection state a snapshot cannot carry; use RETURNING",
+    "changes": "changes() is connection state a snapshot cannot carry",
+    "total_changes": "total_changes() is connection state a snapshot cannot carry",
+    "sqlite_offset": "file offsets are not stable across snapshots",
+}
+_TEMP_MASTER = frozenset({"sqlite_temp_master", "sqlite_temp_schema"})
+
+
+def _refusal(action: int, arg1: str | None, arg2: str | None, db: str | None) -> str | None:
+    """Why a query may not perform `action` (sqlite3 authorizer arguments), or None if it may."""
+    if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH):
+        return "ATTACH, DETACH and VACUUM are not allowed in a sandbox"
+    if action in (sqlite3.SQLITE_TRANSACTION, sqlite3.SQLITE_SAVEPOINT):
+        return "transaction control is not allowed: each call is its own transaction"
+    if action == sqlite3.SQLITE_PRAGMA:
+        name = (arg1 or "").lower()
+        if name in _READ_PRAGMAS or (name in _QUERY_PRAGMAS and arg2 is None):
+            return None
+        return f"PRAGMA {name} is not allowed in a sandbox (only read-only introspection)"
+    if action == sqlite3.SQLITE_FUNCTION:
+        return _DENIED_FUNCTIONS.get((arg2 or "").lower())
+    if db == "temp" and action == sqlite3.SQLITE_CREATE_VTABLE:
+        return "virtual tables in the temp schema are not allowed (snapshots cannot carry them)"
+    if db == "temp" and action == sqlite3.SQLITE_ANALYZE:
+        return "ANALYZE of the temp schema is not allowed (snapshots cannot carry its statistics)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The factory
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    main: Path
+    temp: Path | None  # the connection's temp schema (a pickled _TempSchema), when it had objects
+
+
+class SQLiteSandboxes:
+    """A factory of SQLite sandboxes that all start from the database at `db_path`.
+
+    `db_path` is only read, once, here: it is copied (with SQLite's backup API, so a WAL database is read
+    consistently) into a private directory under `tmp` (default /dev/shm). `timeout` bounds each query in
+    seconds. Close the factory (`await boxes.close()`, or `async with`) to remove that directory; a factory
+    that is garbage collected or still open at exit removes it too.
+    """
+
+    def __init__(
+        self, db_path: str | os.PathLike[str], *, tmp: str | os.PathLike[str] | None = None, timeout: float = 30.0
+    ) -> None:
+        source = Path(db_path)
+        if not source.is_file():
+            raise FileNotFoundError(f"no SQLite database at {source}")
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self._timeout = float(timeout)
+        self._root = Path(tempfile.mkdtemp(prefix=f"tvcache-sqlite-{os.getpid()}-", dir=_tmp_parent(tmp)))
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self._root, True)
+        (self._root / "boxes").mkdir()
+        (self._root / "snapshots").mkdir()
+        self._base = self._root / "base.sqlite"
+        try:
+            _copy_database(source, self._base)
+        except BaseException:
+            self._finalizer()
+            raise
+        self._fingerprint = f"sqlite-{FORMAT_VERSION}-{_file_digest(self._base)}"
+        self._token = secrets.token_hex(6)
+        self._ids = itertools.count(1)
+        self._snapshots: dict[str, _Snapshot] = {}
+        self._boxes: set[SQLiteSandbox] = set()
+        self._closed = False
+
+    @classmethod
+    def from_sql(
+        cls, sql: str | os.PathLike[str], *, tmp: str | os.PathLike[str] | None = None, timeout: float = 30.0
+    ) -> SQLiteSandboxes:
+        """A factory whose database is built by running an SQL script once (e.g. northwind's create.sql).
+
+        `sql` is a path (a `Path`, or a string naming an existing file) or the script's text. This runs the
+        script synchronously (seconds for a large one): build factories before the event loop gets busy, or
+        in `asyncio.to_thread`.
+        """
+        text = _read_script(sql)
+        build = Path(tempfile.mkdtemp(prefix=f"tvcache-sqlite-build-{os.getpid()}-", dir=_tmp_parent(tmp)))
+        try:
+            path = build / "db.sqlite"
+            conn = sqlite3.connect(path, isolation_level=None)
+            try:
+                conn.execute("PRAGMA synchronous=OFF")
+                conn.executescript(text)
+            except sqlite3.Error as exc:
+                raise ValueError(f"the SQL script failed: {exc}") from exc
+            finally:
+                conn.close()
+            return cls(path, tmp=tmp, timeout=timeout)
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def directory(self) -> Path:
+        """The private directory holding the base copy, the sandboxes' files and the snapshots."""
+        return self._root
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    @property
+    def snapshot_count(self) -> int:
+        return len(self._snapshots)
+
+    async def create(self) -> SQLiteSandbox:
+        return await self._open(_Snapshot(self._base, None))
+
+    async def restore(self, snapshot_id: str) -> SQLiteSandbox:
+        self._check_open()
+        snapshot = self._snapshots.get(snapshot_id)
+        if snapshot is None:
+            raise SandboxError(f"snapshot {snapshot_id!r} does not exist (deleted, or never made here)")
+        return await self._open(snapshot)
+
+    async def delete(self, snapshot_id: str) -> None:
+        # Deleting twice is harmless: eviction and cleanup may race.
+        snapshot = self._snapshots.pop(snapshot_id, None)
+        if snapshot is not None:
+            await asyncio.to_thread(_remove, snapshot.main, snapshot.temp)
+
+    async def close(self) -> None:
+        """Close every open sandbox of this factory and remove all its files; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for box in list(self._boxes):
+            await box.close()
+        self._snapshots.clear()
+        await asyncio.to_thread(self._finalizer)
+
+    async def __aenter__(self) -> SQLiteSandboxes:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def _open(self, source: _Snapshot) -> SQLiteSandbox:
+        self._check_open()
+        box = SQLiteSandbox(self, self._root / "boxes" / f"{next(self._ids)}.sqlite", self._timeout)
+        self._boxes.add(box)
+        try:
+            await box._start(source)
+        except BaseException as exc:
+            await box.close()
+            if isinstance(exc, OSError | sqlite3.Error):
+                raise SandboxError(f"could not open a sandbox: {exc}") from exc
+            raise
+        return box
+
+    def _new_snapshot(self) -> tuple[str, _Snapshot]:
+        self._check_open()
+        # The random token keeps an id recorded by an earlier process (a durable cache) from ever naming a
+        # snapshot of this factory: it is simply unknown here.
+        snapshot_id = f"sqlite-{self._token}-{next(self._ids)}"
+        folder = self._root / "snapshots"
+        return snapshot_id, _Snapshot(folder / f"{snapshot_id}.sqlite", folder / f"{snapshot_id}.temp.pickle")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError("this SQLiteSandboxes factory is closed")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One sandbox
+
+
+class SQLiteSandbox:
+    """A private copy of the database and the one connection that uses it.
+
+    Everything that touches the connection runs on the sandbox's own worker thread, one call at a time.
+    """
+
+    def __init__(self, factory: SQLiteSandboxes, path: Path, timeout: float) -> None:
+        self._factory = factory
+        self._path = path
+        self._timeout = timeout
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tvcache-sqlite")
+        self._lock = asyncio.Lock()
+        self._conn: sqlite3.Connection | None = None
+        self._header_fd = -1
+        self._closed = False
+        # Set on the worker thread while the sandbox runs its own statements, which the authorizer allows.
+        self._internal = False
+        self._refused: str | None = None
+        self._deadline: float | None = None
+        self._timed_out = False
+
+    @property
+    def path(self) -> Path:
+        """This sandbox's database file."""
+        return self._path
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        query = _query_of(call)
+        async with self._lock:
+            self._check_open()
+            return await self._on_worker(self._run, query, watchdog=True)
+
+    async def snapshot(self) -> str:
+        async with self._lock:
+            self._check_open()
+            snapshot_id, snapshot = self._factory._new_snapshot()
+            try:
+                saved = await self._on_worker(self._save, snapshot)
+            except BaseException as exc:
+                await asyncio.to_thread(_remove, snapshot.main, snapshot.temp)
+                if isinstance(exc, OSError | sqlite3.Error):
+                    raise SandboxError(f"could not snapshot the sandbox: {exc}") from exc
+                raise
+            self._factory._snapshots[snapshot_id] = saved
+            return snapshot_id
+
+    async def close(self) -> None:
+        """Close the connection and remove the sandbox's file; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._conn is not None:
+            self._conn.interrupt()  # a query still running (its caller was cancelled) stops now
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._shutdown)
+        finally:
+            self._executor.shutdown(wait=False)
+            self._factory._boxes.discard(self)
+
+    async def _on_worker(self, fn: Callable[..., T], *args: Any, watchdog: bool = False) -> T:
+        """Run `fn(*args)` on the worker thread; interrupt it if its caller is cancelled or it overruns."""
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            if watchdog:
+                done, _ = await asyncio.wait({future}, timeout=self._timeout + _WATCHDOG_GRACE)
+                if not done:
+                    self._timed_out = True
+                    self._interrupt()
+            return await future
+        except asyncio.CancelledError:
+            self._interrupt()
+            raise
+
+    def _interrupt(self) -> None:
+        if self._conn is not None:
+            self._conn.interrupt()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError("this sandbox is closed")
+
+    async def _start(self, source: _Snapshot) -> None:
+        await self._on_worker(self._open, source)
+
+    # Everything below runs on the worker thread.
+
+    def _open(self, source: _Snapshot) -> None:
+        shutil.copyfile(source.main, self._path)
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=0)
+        self._conn = conn
+        self._header_fd = os.open(self._path, os.O_RDONLY)
+        # The file is private and disposable: no durability needed, and temp objects stay in memory.
+        # With auto_vacuum off, temp pages never move, so hiding temp rootpages (see _authorize) is safe.
+        for pragma in ("journal_mode=MEMORY", "synchronous=OFF", "temp_store=MEMORY", "temp.auto_vacuum=NONE"):
+            conn.execute(f"PRAGMA {pragma}").fetchall()
+        if source.temp is not None:
+            _load_temp_schema(conn, pickle.loads(source.temp.read_bytes()))
+        conn.set_authorizer(self._authorize)
+        conn.set_progress_handler(self._progress, _PROGRESS_STEPS)
+
+    def _run(self, query: str) -> Outcome:
+        conn = self._connection()
+        self._timed_out = False
+        self._refused = None
+        before = self._marker()
+        self._deadline = time.monotonic() + self._timeout
+        try:
+            cursor = conn.cursor()
+            try:
+                cursor.execute(query)
+                output = _ok(cursor.rowcount) if cursor.description is None else format_rows(cursor)
+            finally:
+                cursor.close()
+        except (sqlite3.Error, UnicodeError) as exc:
+            # Only the sandbox interrupts queries (a timeout, a cancelled caller, close()): a failure of the
+            # sandbox, not an answer to the query, so it must never be cached.
+            if self._timed_out or str(exc) == "interrupted":
+                why = f"timeout after {self._timeout:g} s" if self._timed_out else "interrupted"
+                return Outcome(f"Error: {why}; the query was cancelled", changed=before != self._marker(), error=True)
+            output = f"Error: {exc}"
+            if self._refused is not None and "authoriz" in str(exc):
+                # SQLite's own message does not say why ("not authorized", "authorization denied").
+                output = f"Error: not authorized ({self._refused})"
+        finally:
+            self._deadline = None
+        return Outcome(output, changed=before != self._marker())
+
+    def _save(self, snapshot: _Snapshot) -> _Snapshot:
+        # Between calls no transaction is open and every change is in the file, so a byte copy is exact.
+        shutil.copyfile(self._path, snapshot.main)
+        self._internal = True
+        try:
+            temp = _dump_temp_schema(self._connection())
+        finally:
+            self._internal = False
+        if temp is None:
+            return _Snapshot(snapshot.main, None)
+        assert snapshot.temp is not None
+        snapshot.temp.write_bytes(pickle.dumps(temp, protocol=pickle.HIGHEST_PROTOCOL))
+        return snapshot
+
+    def _shutdown(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._header_fd >= 0:
+            os.close(self._header_fd)
+            self._header_fd = -1
+        _remove(self._path)
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise SandboxError("this sandbox is closed")
+        return self._conn
+
+    def _marker(self) -> tuple[int, bytes, int]:
+        """What moves whenever a statement changes the state (see the module docstring)."""
+        header = os.pread(self._header_fd, 44, 0)
+        temp_version = self._internal_query("PRAGMA temp.schema_version")[0][0]
+        # Bytes 24-27: file change counter; 40-43: schema cookie.
+        return self._connection().total_changes, header[24:28] + header[40:44], temp_version
+
+    def _internal_query(self, sql: str) -> list[Any]:
+        self._internal = True
+        try:
+            return self._connection().execute(sql).fetchall()
+        finally:
+            self._internal = False
+
+    def _authorize(self, action: int, arg1: str | None, arg2: str | None, db: str | None, source: str | None) -> int:
+        if self._internal:
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_READ and db == "temp" and arg1 in _TEMP_MASTER and arg2 == "rootpage":
+            return sqlite3.SQLITE_IGNORE  # reads as NULL
+        reason = _refusal(action, arg1, arg2, db)
+        if reason is None:
+            return sqlite3.SQLITE_OK
+        self._refused = reason
+        return sqlite3.SQLITE_DENY
+
+    def _progress(self) -> int:
+        deadline = self._deadline
+        if deadline is not None and time.monotonic() > deadline:
+            self._timed_out = True
+            return 1
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Temp schema snapshots
+
+
+@dataclass(frozen=True, slots=True)
+class _TempTable:
+    columns: list[str]  # the columns to insert (generated ones are computed), rowid first when kept
+    rows: list[tuple[Any, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class _TempSchema:
+    """Everything a connection's temp schema holds: its schema rows (rowid order) and its tables' rows."""
+
+    objects: list[tuple[int, str, str, str | None]]  # (rowid, type, name, sql) from sqlite_temp_master
+    tables: dict[str, _TempTable]
+
+
+def _dump_temp_schema(conn: sqlite3.Connection) -> _TempSchema | None:
+    objects = conn.execute("SELECT rowid, type, name, sql FROM temp.sqlite_master ORDER BY rowid").fetchall()
+    if not objects:
+        return None
+    without_rowid = {
+        name for name, wr in conn.execute("SELECT name, wr FROM pragma_table_list WHERE schema='temp'") if wr
+    }
+    tables = {}
+    for _, kind, name, sql in objects:
+        if kind != "table" or sql is None:
+            continue
+        quoted = _quote(name)
+        # Generated columns (hidden 2 and 3) are computed, not inserted.
+        columns = [_quote(row[1]) for row in conn.execute(f"PRAGMA temp.table_xinfo({quoted})") if row[6] == 0]
+        if name not in without_rowid:
+            # Rowids decide scan order and the next rowid; keep them, under a name no column shadows.
+            taken = {c.strip('"').lower() for c in columns}
+            alias = next((a for a in ("rowid", "_rowid_", "oid") if a not in taken), None)
+            if alias is None:
+                raise SandboxError(f"temp table {name!r} shadows rowid, _rowid_ and oid; cannot snapshot it")
+            columns.insert(0, alias)
+        rows = conn.execute(f"SELECT {', '.join(columns)} FROM temp.{quoted}").fetchall()
+        tables[name] = _TempTable(columns, rows)
+    return _TempSchema(objects, tables)
+
+
+def _load_temp_schema(conn: sqlite3.Connection, schema: _TempSchema) -> None:
+    """Re-create a dumped temp schema in `conn`, which has none yet.
+
+    Objects are created in their original order, so `sqlite_temp_master` lists them alike and with the same
+    rowids (placeholder views fill the gaps dropped objects left); each table gets its rows, rowids included,
+    right after it is created, before any trigger on it exists.
+    """
+    placeholders: list[str] = []
+
+    def fill_gaps_below(rowid: int) -> None:
+        # sqlite_master rowids are max + 1: occupy the gaps so that the next object gets `rowid`.
+        while conn.execute("SELECT coalesce(max(rowid), 0) FROM temp.sqlite_master").fetchone()[0] + 1 < rowid:
+            placeholders.append(f"tvcache_placeholder_{len(placeholders)}")
+            conn.execute(f"CREATE TEMP VIEW {placeholders[-1]} AS SELECT 1")
+
+    for rowid, kind, name, sql in schema.objects:
+        if sql is None:
+            continue  # an automatic index, made with its table
+        if name == "sqlite_sequence":
+            # AUTOINCREMENT makes this table right after its own table (at rowid - 1); if that table is gone,
+            # a stand-in takes its place.
+            if not _temp_exists(conn, "sqlite_sequence"):
+                fill_gaps_below(rowid - 1)
+                conn.execute("CREATE TEMP TABLE tvcache_autoincrement(id INTEGER PRIMARY KEY AUTOINCREMENT)")
+                conn.execute("DROP TABLE temp.tvcache_autoincrement")
+            continue
+        fill_gaps_below(rowid)
+        if kind == "index":
+            conn.execute(sql)  # an index goes to its table's schema
+        else:
+            conn.execute("CREATE TEMP " + _after_create(sql))
+        if kind == "table":
+            _insert_rows(conn, name, schema.tables[name])
+    if "sqlite_sequence" in schema.tables:
+        conn.execute("DELETE FROM temp.sqlite_sequence")  # the inserts above advanced it
+        _insert_rows(conn, "sqlite_sequence", schema.tables["sqlite_sequence"])
+    for placeholder in placeholders:
+        conn.execute(f"DROP VIEW temp.{placeholder}")
+
+
+def _insert_rows(conn: sqlite3.Connection, name: str, table: _TempTable) -> None:
+    marks = ", ".join("?" * len(table.columns))
+    conn.executemany(f"INSERT INTO temp.{_quote(name)}({', '.join(table.columns)}) VALUES ({marks})", table.rows)
+
+
+def _after_create(sql: str) -> str:
+    # SQLite stores every schema statement normalised to start with "CREATE TABLE|VIEW|TRIGGER ...".
+    if not sql.startswith("CREATE "):
+        raise SandboxError(f"unexpected temp schema statement in a snapshot: {sql[:80]!r}")
+    return sql[len("CREATE ") :]
+
+
+def _temp_exists(conn: sqlite3.Connection, name: str) -> bool:
+    return conn.execute("SELECT 1 FROM temp.sqlite_master WHERE name = ?", (name,)).fetchone() is not None
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Files
+
+
+def _tmp_parent(tmp: str | os.PathLike[str] | None) -> Path:
+    if tmp is not None:
+        parent = Path(tmp)
+        parent.mkdir(parents=True, exist_ok=True)
+        return parent
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def _copy_database(source: Path, target: Path) -> None:
+    """Copy a database with the backup API (consistent even for a WAL database), in rollback-journal mode."""
+    try:
+        reader = sqlite3.connect(f"file:{quote(str(source.resolve()))}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        raise ValueError(f"cannot open {source} as a SQLite database: {exc}") from exc
+    writer = sqlite3.connect(target, isolation_level=None)
+    try:
+        reader.backup(writer)
+        writer.execute("PRAGMA journal_mode=DELETE").fetchall()
+    except sqlite3.DatabaseError as exc:
+        raise ValueError(f"{source} is not a usable SQLite database: {exc}") from exc
+    finally:
+        writer.close()
+        reader.close()
+
+
+def _file_digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+
+
+def _read_script(sql: str | os.PathLike[str]) -> str:
+    if isinstance(sql, os.PathLike):
+        return Path(sql).read_text()
+    if not isinstance(sql, str):
+        raise TypeError(f"sql must be a path or the script's text, got {type(sql).__name__}")
+    if "\n" not in sql and len(sql) < 4096 and os.path.isfile(sql):
+        return Path(sql).read_text()
+    return sql
+
+
+def _remove(*paths: Path | None) -> None:
+    for path in paths:
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+
+def _query_of(call: ToolCall) -> str:
+    if call.tool != TOOL:
+        raise ValueError(f"a SQLite sandbox has one tool, {TOOL!r}; got {call.tool!r}")
+    query = call.args.get("query")
+    if set(call.args) != {"query"} or not isinstance(query, str):
+        raise ValueError(f'the {TOOL!r} tool takes args {{"query": str}}, got {call.args!r:.200}')
+    return query
