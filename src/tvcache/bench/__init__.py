@@ -1,0 +1,1 @@
+"""Benchmark workloads, trace replay and reports."""
