@@ -1,0 +1,579 @@
+"""Replaying a workload the way a GRPO training step runs it, under several caching policies.
+
+The schedule: the tasks (in the order they first appear) are cut into steps of `batch` tasks. In a step all
+rollouts of all its tasks run concurrently (at most `concurrency` at a time: rollout workers), each rollout
+issuing its calls in order. `epochs` repeats the whole sequence of steps, as training does with a dataset,
+which is where a cache reuses most. While a step runs, the policy is told the next step's tasks (tvcache
+prefetches sandboxes for them in the background).
+
+Every policy runs the same schedule, one policy after the other so they do not compete for the CPU; `none`
+(no cache) runs first and its answers are the oracle: every answer of a cached policy is compared with
+`none`'s answer for the same epoch, rollout and call. A hit that differs is an incorrect hit; an executed
+answer can be wrong too, when a naive cache left the sandbox in the wrong state (`wrong_answers`). Before
+an answer that differs is counted, the rollout is executed once more, uncached, in a fresh sandbox: if that
+answer differs from the oracle's as well, the tool is not deterministic there (`ls -la` printing times)
+and the answer is counted as `nondeterministic` instead. Answers of `none` that differ between epochs are
+reported as `oracle_nondeterministic`.
+
+Per call the engine times the wall seconds the rollout waits for the call (including any sandbox creation,
+restore, replay and snapshot the policy does for it). Peak memory is the peak resident set size of the
+process during a policy's run above the resident size at its start (Linux `VmHWM`, reset through
+`/proc/self/clear_refs` before each policy; elsewhere `ru_maxrss`, which cannot be reset, so only a policy
+that sets a new peak shows growth). It counts everything the policy holds in this process: cache entries
+and in-process snapshots (PythonSandboxes); snapshot files on tmpfs (SQLite, workspace layers) are not in
+it and show in the snapshot counts instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import gc
+import hashlib
+import re
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..graph import encode_output
+from ..rollout import Result
+from ..sandboxes.base import Sandboxes
+from .policies import Policy, as_cached, make_policy
+from .traces import Trace, task_order
+from .workload import Workload
+
+__all__ = [
+    "PolicyRun",
+    "ReplayOptions",
+    "ReplayResult",
+    "Step",
+    "percentile",
+    "replay",
+    "replay_policies",
+    "resident_kb",
+    "schedule",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One training step: `tasks`, and the rollouts (indices into the workload's traces) to run at once."""
+
+    epoch: int
+    index: int  # within the epoch
+    tasks: tuple[str, ...]
+    rollouts: tuple[int, ...]
+
+
+def schedule(traces: Sequence[Trace], batch: int, epochs: int) -> list[Step]:
+    """Steps of `batch` tasks each, in order of first appearance, repeated for `epochs`."""
+    if batch < 1 or epochs < 1:
+        raise ValueError(f"batch and epochs must be at least 1, got batch={batch}, epochs={epochs}")
+    by_task: dict[str, list[int]] = {}
+    for i, trace in enumerate(traces):
+        by_task.setdefault(trace.task, []).append(i)
+    tasks = task_order(traces)
+    batches = [tuple(tasks[i : i + batch]) for i in range(0, len(tasks), batch)]
+    return [
+        Step(epoch, index, group, tuple(r for task in group for r in by_task[task]))
+        for epoch in range(epochs)
+        for index, group in enumerate(batches)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    batch: int = 4  # tasks per step
+    epochs: int = 1
+    concurrency: int = 8  # rollouts in flight at once
+    timeout: float | None = None  # per call; a call that overruns ends its rollout
+    prefetch: bool = True  # tell the policy the next step's tasks while a step runs
+    progress: bool = True  # rich progress bars on stderr
+    verify: bool = True  # re-execute rollouts with wrong-looking answers to rule out nondeterministic tools
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+
+
+@dataclass
+class PolicyRun:
+    """What one policy did over the whole schedule."""
+
+    name: str
+    epochs: int
+    calls: int = 0
+    hits: int = 0
+    errors: int = 0  # answers marked error (sandbox or tool failure, timeout)
+    timeouts: int = 0
+    failed_rollouts: int = 0  # rollouts ended by an exception
+    skipped: int = 0  # calls not issued because their rollout ended early
+    compared: int | None = None  # answers checked against the oracle (None: no oracle in this run)
+    incorrect_hits: int | None = None
+    wrong_answers: int | None = None
+    nondeterministic: int | None = None  # answers that differed from the oracle's, as did a re-execution
+    samples: list[float] = field(default_factory=list)  # per-call seconds, in completion order
+    hit_samples: list[float] = field(default_factory=list)  # the seconds of the hits among them
+    epoch_calls: list[int] = field(default_factory=list)
+    epoch_hits: list[int] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    peak_memory_bytes: int | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+    examples: list[dict[str, Any]] = field(default_factory=list)  # a few incorrect hits, for people
+    first_error: str | None = None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.calls if self.calls else 0.0
+
+    @property
+    def total_tool_seconds(self) -> float:
+        return sum(self.samples)
+
+    def epoch_hit_rates(self) -> list[float]:
+        return [h / c if c else 0.0 for h, c in zip(self.epoch_hits, self.epoch_calls, strict=True)]
+
+    def summary(self, baseline: PolicyRun | None) -> dict[str, Any]:
+        ordered = sorted(self.samples)
+        median = percentile(ordered, 0.5)
+        total = self.total_tool_seconds
+        speedup_total = speedup_median = None
+        if baseline is not None and baseline.samples:
+            base_median = percentile(sorted(baseline.samples), 0.5)
+            speedup_total = baseline.total_tool_seconds / total if total > 0 else None
+            speedup_median = base_median / median if median > 0 else None
+        return {
+            "policy": self.name,
+            "calls": self.calls,
+            "hits": self.hits,
+            "hit_rate": self.hit_rate,
+            "incorrect_hits": self.incorrect_hits,
+            "wrong_answers": self.wrong_answers,
+            "nondeterministic_answers": self.nondeterministic,
+            "compared": self.compared,
+            "errors": self.errors,
+            "timeouts": self.timeouts,
+            "failed_rollouts": self.failed_rollouts,
+            "skipped_calls": self.skipped,
+            "executions": int(self.stats.get("executions", 0)),
+            "replays": int(self.stats.get("replays", 0)),
+            "snapshots": int(self.stats.get("snapshots", 0)),
+            "restores": int(self.stats.get("restores", 0)),
+            "creates": int(self.stats.get("creates", 0)),
+            "warm": int(self.stats.get("warm", 0)),
+            "median_call_seconds": median,
+            "p90_call_seconds": percentile(ordered, 0.9),
+            "p99_call_seconds": percentile(ordered, 0.99),
+            "mean_call_seconds": total / len(ordered) if ordered else 0.0,
+            "median_hit_seconds": percentile(sorted(self.hit_samples), 0.5) if self.hit_samples else None,
+            "total_tool_seconds": total,
+            "wall_seconds": self.wall_seconds,
+            "speedup_total": speedup_total,
+            "speedup_median": speedup_median,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "epoch_hit_rates": self.epoch_hit_rates(),
+            "stats": self.stats,
+            "incorrect_examples": self.examples,
+            "first_error": self.first_error,
+        }
+
+
+@dataclass
+class ReplayResult:
+    workload: str
+    notes: str
+    options: ReplayOptions
+    tasks: int
+    rollouts: int
+    calls_per_epoch: int
+    steps: int
+    policies: dict[str, PolicyRun]
+    oracle_nondeterministic: int | None = None  # oracle answers that differed between epochs
+
+    @property
+    def baseline(self) -> PolicyRun | None:
+        return self.policies.get("none")
+
+    def summary(self) -> dict[str, Any]:
+        """Everything but the raw samples, as JSON values: what `--json` writes."""
+        o = self.options
+        return {
+            "workload": self.workload,
+            "notes": self.notes,
+            "options": {"batch": o.batch, "epochs": o.epochs, "concurrency": o.concurrency, "timeout": o.timeout},
+            "tasks": self.tasks,
+            "rollouts": self.rollouts,
+            "calls_per_epoch": self.calls_per_epoch,
+            "steps": self.steps,
+            "oracle_nondeterministic": self.oracle_nondeterministic,
+            "memory_measure": _memory_method(),
+            "policies": {name: run.summary(self.baseline) for name, run in self.policies.items()},
+        }
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """The q-quantile of sorted samples, interpolating linearly between neighbours; 0 for no samples."""
+    if not ordered:
+        return 0.0
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+# -- the engine ----------------------------------------------------------------------------------------
+
+Oracle = dict[tuple[int, int, int], bytes | None]  # (epoch, rollout, call) -> digest of none's answer
+
+
+async def replay_policies(
+    workload: Workload,
+    names: Sequence[str],
+    options: ReplayOptions,
+    *,
+    store: str | None = None,
+    namespace: str | None = None,
+) -> ReplayResult:
+    """Replay `workload` under the named policies (see `policies.POLICIES`)."""
+    if len(set(names)) != len(names) or not names:
+        raise ValueError(f"name each policy once, got {list(names)}")
+    policies = [make_policy(n, store=store, namespace=namespace) for n in names]
+    return await replay(workload, policies, options)
+
+
+async def replay(workload: Workload, policies: Sequence[Policy], options: ReplayOptions) -> ReplayResult:
+    """Replay `workload` under each policy in turn (`none` first: it is the oracle) on the same schedule.
+    Closes the policies; the workload stays open (its owner closes it)."""
+    steps = schedule(workload.traces, options.batch, options.epochs)
+    order = sorted(policies, key=lambda p: p.name != "none")
+    factories = {task: workload.sandboxes(task) for task in task_order(workload.traces)}
+    calls_per_epoch = sum(len(t.calls) for t in workload.traces)
+    oracle: Oracle | None = None
+    verifier = _Verifier(workload, factories, options)
+    runs: dict[str, PolicyRun] = {}
+    progress = _progress(options.progress)
+    try:
+        with progress or _nothing():
+            for policy in order:
+                bar = None
+                if progress is not None:
+                    bar = progress.add_task(policy.name, total=calls_per_epoch * options.epochs)
+                record = policy.name == "none"
+                run = PolicyRun(policy.name, options.epochs, epoch_calls=[0] * options.epochs)
+                run.epoch_hits = [0] * options.epochs
+                engine = _Engine(workload, factories, policy, options, run, oracle if not record else None)
+                if record:
+                    engine.oracle_out = {}
+                if progress is not None and bar is not None:
+                    engine.advance = functools.partial(progress.advance, bar)
+                try:
+                    with _PeakMemory() as memory:
+                        start = time.perf_counter()
+                        await engine.run(steps)
+                        run.wall_seconds = time.perf_counter() - start
+                        run.stats = dict(policy.stats())
+                finally:
+                    await policy.close()
+                run.peak_memory_bytes = memory.peak
+                runs[policy.name] = run
+                if record:
+                    oracle = engine.oracle_out
+                elif oracle is not None:
+                    await _judge(workload, engine.mismatches, run, oracle, verifier if options.verify else None)
+    finally:
+        for policy in order:
+            if policy.name not in runs:
+                await policy.close()
+    return ReplayResult(
+        workload=workload.name,
+        notes=workload.notes,
+        options=options,
+        tasks=len(factories),
+        rollouts=len(workload.traces),
+        calls_per_epoch=calls_per_epoch,
+        steps=len(steps),
+        policies=runs,
+        oracle_nondeterministic=_nondeterministic(oracle, options.epochs) if oracle is not None else None,
+    )
+
+
+class _Engine:
+    """One policy's pass over the schedule."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        factories: dict[str, Sandboxes],
+        policy: Policy,
+        options: ReplayOptions,
+        run: PolicyRun,
+        oracle: Oracle | None,
+    ):
+        self.workload = workload
+        self.factories = factories
+        self.policy = policy
+        self.options = options
+        self.run_ = run
+        self.oracle = oracle
+        self.oracle_out: Oracle | None = None
+        self.advance: Callable[[], None] = lambda: None
+        self.mismatches: list[_Mismatch] = []
+        if oracle is not None:
+            run.compared = run.incorrect_hits = run.wrong_answers = run.nondeterministic = 0
+
+    async def run(self, steps: Sequence[Step]) -> None:
+        slots = asyncio.Semaphore(self.options.concurrency)
+        for i, step in enumerate(steps):
+            if self.options.prefetch and i + 1 < len(steps):
+                upcoming = steps[i + 1]
+                tasks = [self.workload.traces[r].task for r in upcoming.rollouts]
+                counts = {t: tasks.count(t) for t in upcoming.tasks}
+                await self.policy.prefetch(counts, self.factories)
+            await asyncio.gather(*(self.rollout(slots, step.epoch, r) for r in step.rollouts))
+
+    async def rollout(self, slots: asyncio.Semaphore, epoch: int, index: int) -> None:
+        trace = self.workload.traces[index]
+        answered = 0  # calls of this rollout that got an answer, a timeout or a failure
+        async with slots:
+            start = time.perf_counter()
+            try:
+                async with self.policy.rollout(trace.task, self.factories[trace.task], self.workload.tools) as r:
+                    for i, c in enumerate(trace.calls):
+                        start = time.perf_counter()
+                        try:
+                            result = await asyncio.wait_for(r.call(c.tool, c.args), self.options.timeout)
+                        except TimeoutError:
+                            self.run_.timeouts += 1
+                            self.count(epoch, index, i, None, time.perf_counter() - start)
+                            answered = i + 1
+                            break  # the sandbox's state is unknown now: the rollout ends, as it would in training
+                        self.count(epoch, index, i, result, time.perf_counter() - start)
+                        answered = i + 1
+            except Exception as exc:
+                self.run_.failed_rollouts += 1
+                if self.run_.first_error is None:
+                    self.run_.first_error = f"{trace.task}/{trace.rollout} call {answered}: {type(exc).__name__}: {exc}"
+                if answered < len(trace.calls):  # the call that raised is a failed answer
+                    self.count(epoch, index, answered, None, time.perf_counter() - start)
+                    answered += 1
+        self.run_.skipped += len(trace.calls) - answered
+        for _ in range(len(trace.calls) - answered):
+            self.advance()
+
+    def count(self, epoch: int, index: int, call: int, result: Result | None, seconds: float) -> None:
+        run = self.run_
+        run.calls += 1
+        run.epoch_calls[epoch] += 1
+        run.samples.append(seconds)
+        self.advance()
+        if result is None or result.error:
+            run.errors += 1
+            if self.oracle_out is not None:
+                self.oracle_out[(epoch, index, call)] = None
+            return
+        if result.hit:
+            run.hits += 1
+            run.epoch_hits[epoch] += 1
+            run.hit_samples.append(seconds)
+        answer = _digest(result.output)
+        if self.oracle_out is not None:
+            self.oracle_out[(epoch, index, call)] = answer
+        if self.oracle is None:
+            return
+        expected = self.oracle.get((epoch, index, call))
+        if expected is None:
+            return  # the oracle failed here (or never got this far): nothing to compare with
+        assert run.compared is not None
+        run.compared += 1
+        if answer != expected:
+            self.mismatches.append(_Mismatch(epoch, index, call, result.hit, str(result.output)[:200]))
+
+
+@dataclass(frozen=True, slots=True)
+class _Mismatch:
+    """An answer that differed from the oracle's; `_judge` decides whether it was wrong."""
+
+    epoch: int
+    index: int
+    call: int
+    hit: bool
+    preview: str
+
+
+class _Verifier:
+    """Re-executes rollouts uncached, each in a fresh sandbox, to tell a wrong answer from a tool that is
+    not deterministic (`ls -la` showing times, a random temp name): if re-executing a rollout's history
+    gives an answer that differs from the oracle's too, the oracle itself is not reproducible there."""
+
+    def __init__(self, workload: Workload, factories: dict[str, Sandboxes], options: ReplayOptions):
+        self._workload = workload
+        self._factories = factories
+        self._options = options
+        self._answers: dict[int, list[bytes | None]] = {}  # rollout -> digests of its re-executed calls
+
+    def answer(self, index: int, call: int) -> bytes | None:
+        answers = self._answers.get(index, [])
+        return answers[call] if call < len(answers) else None
+
+    async def rerun(self, needed: dict[int, int]) -> None:
+        """Re-execute each rollout `index` up to call `needed[index]` (once per rollout and replay)."""
+        slots = asyncio.Semaphore(self._options.concurrency)
+        todo = {i: last for i, last in needed.items() if len(self._answers.get(i, [])) <= last}
+        await asyncio.gather(*(self._one(slots, i, last) for i, last in todo.items()))
+
+    async def _one(self, slots: asyncio.Semaphore, index: int, last: int) -> None:
+        trace = self._workload.traces[index]
+        answers: list[bytes | None] = []
+        async with slots:
+            box = None
+            try:
+                box = await self._factories[trace.task].create()
+                for c in trace.calls[: last + 1]:
+                    call = self._workload.tools.call(c.tool, c.args)
+                    outcome = await asyncio.wait_for(box.execute(call), self._options.timeout)
+                    answers.append(None if outcome.error else _digest(as_cached(outcome.output)))
+            except Exception:
+                pass  # what is missing stays unverified
+            finally:
+                if box is not None:
+                    with contextlib.suppress(Exception):
+                        await box.close()
+        self._answers[index] = answers
+
+
+async def _judge(
+    workload: Workload, mismatches: list[_Mismatch], run: PolicyRun, oracle: Oracle, verifier: _Verifier | None
+) -> None:
+    """Count each mismatch as a wrong answer, unless re-executing its rollout uncached disagreed with the
+    oracle as well (then the tool is not deterministic there). Unverifiable mismatches count as wrong."""
+    if verifier is not None and mismatches:
+        needed: dict[int, int] = {}
+        for m in mismatches:
+            needed[m.index] = max(needed.get(m.index, -1), m.call)
+        await verifier.rerun(needed)
+    assert run.wrong_answers is not None and run.incorrect_hits is not None and run.nondeterministic is not None
+    for m in mismatches:
+        again = verifier.answer(m.index, m.call) if verifier is not None else None
+        if again is not None and again != oracle[(m.epoch, m.index, m.call)]:
+            run.nondeterministic += 1
+            continue
+        run.wrong_answers += 1
+        if m.hit:
+            run.incorrect_hits += 1
+            if len(run.examples) < 5:
+                trace = workload.traces[m.index]
+                c = trace.calls[m.call]
+                run.examples.append(
+                    {
+                        "task": trace.task,
+                        "rollout": trace.rollout,
+                        "epoch": m.epoch,
+                        "call": m.call,
+                        "tool": c.tool,
+                        "args": str(c.args)[:200],
+                        "got": m.preview,
+                    }
+                )
+
+
+def _digest(output: Any) -> bytes:
+    try:
+        blob = encode_output(output)
+    except TypeError:
+        blob = repr(output).encode()
+    return hashlib.blake2b(blob, digest_size=16).digest()
+
+
+def _nondeterministic(oracle: Oracle, epochs: int) -> int:
+    """Oracle answers of later epochs that differ from the first epoch's answer to the same call."""
+    differ = 0
+    for (epoch, index, call), answer in oracle.items():
+        if epoch:
+            first = oracle.get((0, index, call))
+            differ += answer is not None and first is not None and answer != first
+    return differ
+
+
+# -- progress and memory ---------------------------------------------------------------------------------
+
+
+def _progress(enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description:>8}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("calls"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    )
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_STATUS = "/proc/self/status"
+
+
+def _memory_method() -> str:
+    return "VmHWM" if _can_reset_peak() else "ru_maxrss"
+
+
+def _can_reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def resident_kb(field_name: str) -> int | None:
+    try:
+        with open(_STATUS) as f:
+            match = re.search(rf"^{field_name}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+class _PeakMemory:
+    """Peak resident memory above the level at entry, in bytes (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.peak: int | None = None
+        self._start = 0
+        self._reset = False
+
+    def __enter__(self) -> _PeakMemory:
+        gc.collect()
+        self._reset = _can_reset_peak()
+        rss = resident_kb("VmRSS") if self._reset else None
+        self._start = rss if rss is not None else self._maxrss_kb()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        peak = resident_kb("VmHWM") if self._reset else None
+        if peak is None:
+            peak = self._maxrss_kb()
+        self.peak = max(0, peak - self._start) * 1024
+
+    @staticmethod
+    def _maxrss_kb() -> int:
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return maxrss // 1024 if sys.platform == "darwin" else maxrss

@@ -1,0 +1,255 @@
+"""Reports of a replay: a rich table, a JSON file and PNG charts.
+
+The charts follow the paper's figures: hit rate per epoch per policy (grouped bars) and the distribution of
+per-call tool time with and without the cache (CDF on a log time axis), plus total tool time per policy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .replay import PolicyRun, ReplayResult, percentile
+
+__all__ = ["format_bytes", "format_seconds", "print_table", "wide_console", "write_charts", "write_json"]
+
+# One colour per policy, the same in every chart.
+COLORS = {"none": "#7f7f7f", "naive": "#d62728", "paper": "#1f77b4", "tvcache": "#2ca02c"}
+LABELS = {"none": "no cache", "naive": "naive (tool, args)", "paper": "published policy", "tvcache": "tvcache"}
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def format_bytes(size: float | None) -> str:
+    if size is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def wide_console() -> Console:
+    """A console for tables: the terminal's width, or 160 columns when writing to a file or pipe (logs,
+    CI), where rich would otherwise fold the table into 80."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def print_table(result: ReplayResult, console: Console | None = None) -> None:
+    console = console or wide_console()
+    summary = result.summary()
+    o = result.options
+    table = Table(
+        title=f"{result.workload}: {result.tasks} tasks, {result.rollouts} rollouts, "
+        f"{result.calls_per_epoch} calls x {o.epochs} epoch{'s' if o.epochs > 1 else ''} "
+        f"(batch {o.batch} tasks/step, {o.concurrency} concurrent rollouts)",
+        title_justify="left",
+    )
+    for name, justify in [
+        ("policy", "left"),
+        ("hit rate", "right"),
+        ("executions", "right"),
+        ("median call", "right"),
+        ("p90 call", "right"),
+        ("total tool time", "right"),
+        ("speedup\n(total / median)", "right"),
+        ("incorrect hits", "right"),
+        ("snapshots", "right"),
+        ("peak memory", "right"),
+    ]:
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for name, row in summary["policies"].items():
+        incorrect = row["incorrect_hits"]
+        shown = "-" if incorrect is None else f"[bold red]{incorrect}[/]" if incorrect else "[green]0[/]"
+        executions = f"{row['executions']}" + (f" +{row['replays']} replayed" if row["replays"] else "")
+        speedup = "-" if name == "none" else f"{_ratio(row['speedup_total'])} / {_ratio(row['speedup_median'])}"
+        table.add_row(
+            name,
+            f"{row['hit_rate']:.1%}",
+            executions,
+            format_seconds(row["median_call_seconds"]),
+            format_seconds(row["p90_call_seconds"]),
+            format_seconds(row["total_tool_seconds"]),
+            speedup,
+            shown,
+            str(row["snapshots"]),
+            format_bytes(row["peak_memory_bytes"]),
+        )
+    console.print(table)
+    for line in _footnotes(result, summary):
+        console.print(line, highlight=False)
+
+
+def _footnotes(result: ReplayResult, summary: dict[str, Any]) -> list[str]:
+    lines = []
+    if result.notes:
+        lines.append(f"data: {result.notes}")
+    policies = summary["policies"]
+    if "tvcache" in policies:
+        row = policies["tvcache"]
+        misses = row["calls"] - row["hits"]
+        lines.append(
+            f"tvcache: {row['warm']} of {misses} misses started from a prefetched (warm) sandbox; "
+            f"{int(row['stats'].get('waits', 0))} of its hits waited for a concurrent identical call (single "
+            f"flight) and took about as long as executing it; {int(row['stats'].get('mismatches', 0))} replay "
+            "mismatches"
+        )
+    for name, row in policies.items():
+        wrong, hits = row["wrong_answers"], row["incorrect_hits"]
+        if wrong and wrong != hits:
+            lines.append(f"{name}: {wrong} wrong answers in all, {wrong - hits} of them executed in a wrong state")
+        if row["nondeterministic_answers"]:
+            lines.append(
+                f"{name}: {row['nondeterministic_answers']} answers differed from the uncached ones, but so did "
+                "a re-execution of the rollout: the tool is not deterministic there (not counted as incorrect)"
+            )
+        if row["errors"] or row["failed_rollouts"]:
+            lines.append(
+                f"{name}: {row['errors']} failed calls ({row['timeouts']} timeouts), "
+                f"{row['failed_rollouts']} rollouts ended by an exception, {row['skipped_calls']} calls skipped"
+                + (f"; first: {row['first_error']}" if row["first_error"] else "")
+            )
+    if result.oracle_nondeterministic:
+        lines.append(
+            f"warning: {result.oracle_nondeterministic} uncached answers differed between epochs: some tool is "
+            "not deterministic, so some 'incorrect' answers may be noise"
+        )
+    if "none" not in policies:
+        lines.append("no 'none' policy in this run: correctness and speedups were not measured")
+    return lines
+
+
+def write_json(result: ReplayResult, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result.summary(), indent=2) + "\n")
+
+
+def write_charts(result: ReplayResult, directory: str | Path) -> list[Path]:
+    """Write the charts as PNG files into `directory` (created if needed); returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = result.workload.replace("/", "_")
+    paths = [
+        _hit_rate_chart(result, out / f"{stem}-hit-rate.png"),
+        _call_time_chart(result, out / f"{stem}-call-times.png"),
+        _tool_time_chart(result, out / f"{stem}-tool-time.png"),
+    ]
+    return [p for p in paths if p is not None]
+
+
+def _style(ax: Any) -> None:
+    ax.spines["top"].set_visible(False)
+    ax.spines["right"].set_visible(False)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+
+
+def _hit_rate_chart(result: ReplayResult, path: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result.policies.values() if r.name != "none"]
+    if not runs:
+        return None
+    epochs = result.options.epochs
+    width = 0.8 / len(runs)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 + 1.4 * epochs), 3.6), dpi=150)
+    for i, run in enumerate(runs):
+        rates = [100 * r for r in run.epoch_hit_rates()]
+        xs = [e + (i - (len(runs) - 1) / 2) * width for e in range(epochs)]
+        bars = ax.bar(xs, rates, width, label=LABELS.get(run.name, run.name), color=COLORS.get(run.name))
+        ax.bar_label(bars, fmt="%.0f%%", fontsize=7, padding=1)
+    ax.set_xticks(range(epochs), [f"epoch {e + 1}" for e in range(epochs)])
+    ax.set_ylabel("hit rate (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title(f"{result.workload}: hit rate per epoch", fontsize=10)
+    ax.legend(fontsize=8, frameon=False, loc="upper left")
+    _style(ax)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _call_time_chart(result: ReplayResult, path: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result.policies.values() if r.samples]
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(6.0, 3.6), dpi=150)
+    for run in runs:
+        ordered = sorted(max(s, 1e-7) for s in run.samples)
+        n = len(ordered)
+        ys = [(i + 1) / n for i in range(n)]
+        median = percentile(ordered, 0.5)
+        label = f"{LABELS.get(run.name, run.name)} (median {_short_seconds(median)})"
+        ax.step(ordered, ys, where="post", color=COLORS.get(run.name), label=label, linewidth=1.6)
+        ax.plot([median], [0.5], "o", color=COLORS.get(run.name), markersize=3)
+    ax.set_xscale("log")
+    ax.set_xlabel("tool-call time as the rollout sees it (s, log scale)")
+    ax.set_ylabel("fraction of calls")
+    ax.set_ylim(0, 1.02)
+    ax.axhline(0.5, color="black", linewidth=0.5, alpha=0.3)
+    ax.set_title(f"{result.workload}: distribution of per-call time", fontsize=10)
+    ax.legend(fontsize=7, frameon=False, loc="lower right")
+    _style(ax)
+    ax.grid(axis="x", alpha=0.2, which="major")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _tool_time_chart(result: ReplayResult, path: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    runs: list[PolicyRun] = list(result.policies.values())
+    if not runs:
+        return None
+    base = result.baseline
+    fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=150)
+    names = [LABELS.get(r.name, r.name) for r in runs]
+    totals = [r.total_tool_seconds for r in runs]
+    bars = ax.bar(names, totals, color=[COLORS.get(r.name, "#9467bd") for r in runs])
+    labels = []
+    for run, total in zip(runs, totals, strict=True):
+        text = _short_seconds(total)
+        if base is not None and run is not base and total > 0:
+            text += f"\n{base.total_tool_seconds / total:.1f}x"
+        if run.incorrect_hits:
+            text += f"\n{run.incorrect_hits} incorrect hits"
+        labels.append(text)
+    ax.bar_label(bars, labels, fontsize=7, padding=2)
+    ax.set_ylabel("total tool time (s)")
+    ax.set_ylim(0, max(totals) * 1.35 if max(totals) > 0 else 1)
+    ax.set_title(f"{result.workload}: total tool-call time", fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    _style(ax)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _short_seconds(seconds: float) -> str:
+    return format_seconds(seconds).replace(" ", "")

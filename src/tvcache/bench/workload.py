@@ -1,0 +1,270 @@
+"""A workload: recorded rollouts plus the sandboxes to replay them in. The interface every workload
+module (`sql`, `swe`, `airline`, `synthetic`, ...) implements, and builders for `tvcache replay TRACES`.
+
+A workload module returns a `Workload`; the replay engine (`replay.py`) runs it under every policy. The
+builders here make one from any trace file and a sandbox kind:
+
+- `sqlite`: `base` is a SQLite file; tool `sql` with args `{"query": str}`. `setup` is an SQL script run once
+  on a private copy of the file before any rollout starts.
+- `workspace`: `base` is a directory; tool `bash` with args `{"command": str}`. `setup` is a shell command run
+  once in a sandbox of the base; its result is the state every rollout starts from.
+- `python:module:factory`: `module.factory()` returns a `Sandboxes`, or `module.factory(base)` when a base
+  is given. Setup is the factory's business.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import os
+import shutil
+import sqlite3
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..calls import ToolCall, Tools
+from ..sandboxes.base import Sandbox, SandboxError, Sandboxes
+from .traces import Trace, read_traces, task_order
+
+__all__ = ["SetupSandboxes", "Workload", "combine", "first_tasks", "load_workload", "sandboxes_from_spec"]
+
+
+async def _nothing() -> None:
+    return None
+
+
+@dataclass
+class Workload:
+    name: str
+    traces: list[Trace]
+    sandboxes: Callable[[str], Sandboxes]  # task -> its sandbox factory (may be shared among tasks)
+    tools: Tools  # annotations (read_only etc.)
+    close: Callable[[], Awaitable[None]] = field(default=_nothing)  # releases factories / temp files
+    notes: str = ""  # where the data comes from, for the report
+
+
+def first_tasks(traces: list[Trace], n: int | None) -> list[Trace]:
+    """The rollouts of the first `n` tasks of the file (all when `n` is None), in file order."""
+    if n is None:
+        return list(traces)
+    if n < 1:
+        raise ValueError(f"--tasks must be at least 1, got {n}")
+    keep = set(task_order(traces)[:n])
+    return [t for t in traces if t.task in keep]
+
+
+def combine(name: str, parts: Sequence[Workload], order: Sequence[str] | None = None) -> Workload:
+    """One workload made of several, for mixes: each task keeps its own part's sandboxes. `order` lists
+    every task in the order to run them (default: the parts' tasks one part after the other). The parts
+    must annotate tools alike, since a workload has one `Tools`."""
+    if not parts:
+        raise ValueError("combine needs at least one workload")
+    owner: dict[str, Workload] = {}
+    for part in parts:
+        if part.tools != parts[0].tools:
+            raise ValueError(f"workloads {parts[0].name!r} and {part.name!r} annotate tools differently")
+        for task in task_order(part.traces):
+            if task in owner:
+                raise ValueError(f"task {task!r} is in both {owner[task].name!r} and {part.name!r}")
+            owner[task] = part
+    tasks = list(order) if order is not None else list(owner)
+    if sorted(tasks) != sorted(owner):
+        raise ValueError("order must list every task of the parts exactly once")
+    by_task: dict[str, list[Trace]] = {}
+    for part in parts:
+        for trace in part.traces:
+            by_task.setdefault(trace.task, []).append(trace)
+
+    async def close() -> None:
+        for part in parts:
+            await part.close()
+
+    return Workload(
+        name=name,
+        traces=[trace for task in tasks for trace in by_task[task]],
+        sandboxes=lambda task: owner[task].sandboxes(task),
+        tools=parts[0].tools,
+        close=close,
+        notes="; ".join(f"{part.name}: {part.notes}" for part in parts if part.notes),
+    )
+
+
+async def load_workload(
+    traces_path: str | Path,
+    sandbox: str,
+    *,
+    base: str | Path | None = None,
+    setup: str | None = None,
+    tasks: int | None = None,
+    read_only: frozenset[str] = frozenset(),
+    timeout: float | None = None,
+) -> Workload:
+    """A workload replaying `traces_path` in one sandbox factory shared by all its tasks (each task still
+    has its own scope in the cache, and every rollout starts from the factory's base state)."""
+    traces = first_tasks(read_traces(traces_path), tasks)
+    if not traces:
+        raise ValueError(f"{traces_path} holds no rollouts")
+    factory, release = await sandboxes_from_spec(sandbox, base=base, setup=setup, timeout=timeout)
+    where = f"{sandbox} sandboxes" + (f" from {base}" if base else "") + (f" after setup {setup!r}" if setup else "")
+    return Workload(
+        name=Path(traces_path).stem,
+        traces=traces,
+        sandboxes=lambda task: factory,
+        tools=Tools(read_only=read_only),
+        close=release,
+        notes=f"{len(traces)} rollouts of {len(task_order(traces))} tasks from {traces_path}, replayed in {where}",
+    )
+
+
+async def sandboxes_from_spec(
+    spec: str, *, base: str | Path | None, setup: str | None, timeout: float | None
+) -> tuple[Sandboxes, Callable[[], Awaitable[None]]]:
+    """The factory a `--sandbox` value names, and a function releasing it."""
+    if spec == "sqlite":
+        return _sqlite(base, setup, timeout)
+    if spec == "workspace":
+        return await _workspace(base, setup, timeout)
+    if spec.startswith("python:"):
+        if setup:
+            raise ValueError("--setup is not supported with python: sandboxes; do the setup in the factory")
+        factory = _python(spec, base)
+        return factory, lambda: _close(factory)
+    raise ValueError(f"unknown sandbox {spec!r}: use sqlite, workspace or python:module:factory")
+
+
+def _sqlite(
+    base: str | Path | None, setup: str | None, timeout: float | None
+) -> tuple[Sandboxes, Callable[[], Awaitable[None]]]:
+    from ..sandboxes.sqlite import SQLiteSandboxes
+
+    if base is None:
+        raise ValueError("--sandbox sqlite needs --base FILE.sqlite")
+    source = Path(base)
+    if not source.is_file():
+        raise FileNotFoundError(f"--base {source} is not a SQLite file")
+    options: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    if not setup:
+        factory = SQLiteSandboxes(source, **options)
+        return factory, factory.close
+    # The setup runs on a private copy: the user's file is never written.
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    scratch = Path(tempfile.mkdtemp(prefix="tvcache-setup-", dir=shm))
+    try:
+        copy = scratch / "base.sqlite"
+        shutil.copyfile(source, copy)
+        conn = sqlite3.connect(copy, isolation_level=None)
+        try:
+            conn.executescript(setup)
+        except sqlite3.Error as exc:
+            raise ValueError(f"--setup failed on {source}: {exc}") from exc
+        finally:
+            conn.close()
+        factory = SQLiteSandboxes(copy, **options)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return factory, factory.close
+
+
+async def _workspace(
+    base: str | Path | None, setup: str | None, timeout: float | None
+) -> tuple[Sandboxes, Callable[[], Awaitable[None]]]:
+    from ..sandboxes.workspace import WorkspaceSandboxes
+
+    if base is None:
+        raise ValueError("--sandbox workspace needs --base DIR")
+    _check_dir(base)
+    options: dict[str, Any] = {}
+    if timeout is not None and "timeout" in inspect.signature(WorkspaceSandboxes).parameters:
+        options["timeout"] = timeout
+    inner: Sandboxes = WorkspaceSandboxes(base, **options)
+    if not setup:
+        return inner, lambda: _close(inner)
+    try:
+        wrapped = await SetupSandboxes.build(inner, ToolCall("bash", {"command": setup}))
+    except BaseException:
+        await _close(inner)
+        raise
+    return wrapped, wrapped.close
+
+
+def _check_dir(base: str | Path) -> None:
+    if not Path(base).is_dir():
+        raise FileNotFoundError(f"--base {base} is not a directory")
+
+
+def _python(spec: str, base: str | Path | None) -> Sandboxes:
+    parts = spec.split(":")
+    if len(parts) != 3 or not all(parts[1:]):
+        raise ValueError(f"--sandbox {spec!r}: expected python:module:factory, e.g. python:mypkg.world:sandboxes")
+    _, module_name, attribute = parts
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--sandbox {spec!r}: cannot import {module_name!r} ({exc})") from exc
+    make = getattr(module, attribute, None)
+    if not callable(make):
+        raise ValueError(f"--sandbox {spec!r}: {module_name} has no callable {attribute!r}")
+    factory = make(str(base)) if base is not None else make()
+    if not isinstance(factory, Sandboxes):
+        raise TypeError(
+            f"--sandbox {spec!r}: {attribute}() returned {type(factory).__name__}, which is not a Sandboxes "
+            "(fingerprint, create, restore, delete)"
+        )
+    return factory
+
+
+async def _close(factory: object) -> None:
+    close = getattr(factory, "close", None)
+    if close is not None:
+        result = close()
+        if inspect.isawaitable(result):
+            await result
+
+
+class SetupSandboxes:
+    """A factory whose sandboxes start after a setup call: the setup runs once in a sandbox of `inner`,
+    which is snapshotted; every `create` restores that snapshot. The fingerprint covers the setup, so a
+    changed setup is a new scope."""
+
+    def __init__(self, inner: Sandboxes, start: str, fingerprint: str):
+        self._inner = inner
+        self._start = start
+        self._fingerprint = fingerprint
+
+    @classmethod
+    async def build(cls, inner: Sandboxes, setup: ToolCall) -> SetupSandboxes:
+        box = await inner.create()
+        try:
+            outcome = await box.execute(setup)
+            output = outcome.output
+            # A workspace's bash answers {"output", "exit_code"}: a non-zero exit is a failed setup too.
+            failed = isinstance(output, dict) and output.get("exit_code", 0) != 0
+            if outcome.error or failed:
+                raise SandboxError(f"setup {setup.key[:200]} failed: {str(output)[:1000]}")
+            start = await box.snapshot()
+        finally:
+            await box.close()
+        digest = hashlib.blake2b(f"{inner.fingerprint}\0{setup.key}".encode(), digest_size=16).hexdigest()
+        return cls(inner, start, f"setup-{digest}")
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    async def create(self) -> Sandbox:
+        return await self._inner.restore(self._start)
+
+    async def restore(self, snapshot_id: str) -> Sandbox:
+        return await self._inner.restore(snapshot_id)
+
+    async def delete(self, snapshot_id: str) -> None:
+        if snapshot_id != self._start:  # the starting state outlives every cache eviction
+            await self._inner.delete(snapshot_id)
+
+    async def close(self) -> None:
+        await self._inner.delete(self._start)
+        await _close(self._inner)

@@ -1,0 +1,399 @@
+"""The replay engine: schedule, concurrency, comparison with the oracle, failures, reports, CLI, quick."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import random
+import sqlite3
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from tvcache import PythonSandboxes, Result, Tools
+from tvcache.bench import quick, replay_cli, synthetic
+from tvcache.bench.data import workload_path
+from tvcache.bench.policies import NoCachePolicy, Policy, PolicyRollout
+from tvcache.bench.replay import ReplayOptions, percentile, replay, replay_policies, schedule
+from tvcache.bench.report import print_table, write_charts, write_json
+from tvcache.bench.traces import Trace, TraceCall, write_traces
+from tvcache.bench.workload import Workload
+from tvcache.sandboxes.base import Sandboxes
+
+
+def traces_of(shape: list[tuple[str, int]], calls: int = 2) -> list[Trace]:
+    """Rollouts (task, count) in this file order, each with `calls` reads."""
+    out = []
+    for task, count in shape:
+        for r in range(count):
+            out.append(Trace(task, f"r{r}", "", [TraceCall("read", {"key": "a"}) for _ in range(calls)]))
+    return out
+
+
+# -- schedule -------------------------------------------------------------------------------------------
+
+
+def test_schedule_batches_tasks_in_order_of_appearance_and_repeats_epochs() -> None:
+    traces = [Trace(t, r) for t, r in [("b", "0"), ("a", "0"), ("c", "0"), ("b", "1"), ("d", "0"), ("e", "0")]]
+    steps = schedule(traces, batch=2, epochs=2)
+    assert [(s.epoch, s.index, s.tasks) for s in steps] == [
+        (0, 0, ("b", "a")),
+        (0, 1, ("c", "d")),
+        (0, 2, ("e",)),
+        (1, 0, ("b", "a")),
+        (1, 1, ("c", "d")),
+        (1, 2, ("e",)),
+    ]
+    assert steps[0].rollouts == (0, 3, 1)  # task-major: both rollouts of b, then a
+    assert steps[1].rollouts == (2, 4)
+    assert schedule(traces, batch=10, epochs=1)[0].rollouts == (0, 3, 1, 2, 4, 5)
+    with pytest.raises(ValueError):
+        schedule(traces, batch=0, epochs=1)
+    with pytest.raises(ValueError):
+        schedule(traces, batch=1, epochs=0)
+
+
+class Recorder(Policy):
+    """No cache, recording when rollouts start and end and in what order calls arrive."""
+
+    name = "none"
+
+    def __init__(self, delay: float = 0.002):
+        self.inner = NoCachePolicy()
+        self.delay = delay
+        self.events: list[tuple[str, str, int]] = []  # (start|end, task, rollout id)
+        self.live = self.peak = 0
+        self.calls: dict[int, list[int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[PolicyRollout]:
+        me = len(self.calls)
+        self.calls[me] = []
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+        self.events.append(("start", task, me))
+        recorder = self
+
+        class Wrapped:
+            async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
+                recorder.calls[me].append(int((args or {})["i"]))
+                await asyncio.sleep(recorder.delay)
+                return await inner.call(tool, args)
+
+        try:
+            async with self.inner.rollout(task, sandboxes, tools) as inner:
+                yield Wrapped()
+        finally:
+            self.live -= 1
+            self.events.append(("end", task, me))
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+
+def numbered_workload(tasks: int, rollouts: int, calls: int) -> Workload:
+    factory = synthetic.make_sandboxes()
+    traces = [
+        Trace(f"t{t}", f"r{r}", "", [TraceCall("read", {"key": "a", "i": i}) for i in range(calls)])
+        for t in range(tasks)
+        for r in range(rollouts)
+    ]
+    return Workload("numbered", traces, lambda task: factory, Tools(read_only={"read"}))
+
+
+def test_steps_run_in_order_with_bounded_concurrency_and_calls_in_order() -> None:
+    workload = numbered_workload(tasks=5, rollouts=3, calls=4)
+    recorder = Recorder()
+    asyncio.run(replay(workload, [recorder], ReplayOptions(batch=2, epochs=2, concurrency=4, progress=False)))
+    assert recorder.peak == 4  # six rollouts per full step, at most four at once
+    assert all(order == [0, 1, 2, 3] for order in recorder.calls.values())
+    assert len(recorder.calls) == 2 * 15
+    # Steps are barriers: every rollout of a step ends before the next step's first one starts.
+    steps = [("t0", "t1"), ("t2", "t3"), ("t4",)] * 2
+    position = 0
+    for tasks in steps:
+        window = recorder.events[position : position + 2 * 3 * len(tasks)]
+        assert {task for _, task, _ in window} == set(tasks), (tasks, window)
+        position += len(window)
+    assert position == len(recorder.events)
+
+
+def test_concurrency_one_runs_rollouts_one_by_one() -> None:
+    recorder = Recorder(delay=0)
+    asyncio.run(replay(numbered_workload(2, 3, 2), [recorder], ReplayOptions(concurrency=1, progress=False)))
+    assert recorder.peak == 1
+    kinds = [kind for kind, _, _ in recorder.events]
+    assert kinds == ["start", "end"] * 6
+
+
+# -- comparison with the oracle ----------------------------------------------------------------------------
+
+
+class Liar(Policy):
+    """No cache, but plants wrong answers at chosen (rollout number, call) positions, as hits or not."""
+
+    def __init__(self, name: str, plant: dict[tuple[int, int], bool]):
+        self.name = name
+        self.inner = NoCachePolicy()
+        self.plant = plant
+        self.rollouts = 0
+
+    @contextlib.asynccontextmanager
+    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[PolicyRollout]:
+        me = self.rollouts
+        self.rollouts += 1
+        plant = self.plant
+        count = [0]
+
+        class Lying:
+            async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
+                result = await inner.call(tool, args)
+                position = (me, count[0])
+                count[0] += 1
+                if position in plant:
+                    return Result(f"{result.output} (planted)", plant[position], result.seconds, "memo")
+                return Result(result.output, True, result.seconds, "memo")  # right answers, claimed as hits
+
+        async with self.inner.rollout(task, sandboxes, tools) as inner:
+            yield Lying()
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+
+def test_a_planted_wrong_hit_is_counted() -> None:
+    workload = numbered_workload(tasks=2, rollouts=2, calls=3)
+    liar = Liar("liar", {(1, 2): True, (3, 0): False})  # one wrong hit, one wrong executed answer
+    result = asyncio.run(replay(workload, [NoCachePolicy(), liar], ReplayOptions(progress=False)))
+    run = result.policies["liar"]
+    assert run.compared == 12
+    assert run.incorrect_hits == 1 and run.wrong_answers == 2 and run.nondeterministic == 0
+    (example,) = run.examples
+    assert example["task"] == "t0" and example["rollout"] == "r1" and example["call"] == 2
+    assert "planted" in example["got"]
+    honest = Liar("honest", {})
+    result = asyncio.run(replay(workload, [NoCachePolicy(), honest], ReplayOptions(progress=False)))
+    assert result.policies["honest"].incorrect_hits == 0 and result.policies["honest"].hit_rate == 1.0
+
+
+def test_without_an_oracle_nothing_is_compared() -> None:
+    result = asyncio.run(
+        replay(numbered_workload(1, 2, 2), [Liar("liar", {(0, 0): True})], ReplayOptions(progress=False))
+    )
+    assert result.policies["liar"].incorrect_hits is None
+    assert result.summary()["policies"]["liar"]["speedup_total"] is None
+
+
+def random_token(state: dict[str, str], call: Any) -> str:
+    return f"{random.random():.12f}"  # a tool that is not deterministic
+
+
+def test_nondeterministic_tools_are_told_apart_from_wrong_answers() -> None:
+    factory = PythonSandboxes(make=dict, run=random_token, fingerprint="random")
+    traces = [Trace("t", f"r{r}", "", [TraceCall("token", {})]) for r in range(3)]
+    workload = Workload("random", traces, lambda task: factory, Tools(read_only={"token"}))
+    verified = asyncio.run(replay_policies(workload, ["none", "tvcache"], ReplayOptions(progress=False, epochs=2)))
+    run = verified.policies["tvcache"]
+    assert run.hits == 5 and run.incorrect_hits == 0 and run.nondeterministic == 6
+    assert verified.oracle_nondeterministic == 3  # the oracle's own answers differ between epochs
+    unverified = asyncio.run(
+        replay_policies(workload, ["none", "tvcache"], ReplayOptions(progress=False, verify=False))
+    )
+    assert unverified.policies["tvcache"].incorrect_hits == 2
+
+
+# -- failures -----------------------------------------------------------------------------------------------
+
+
+async def slow_or_broken(state: dict[str, str], call: Any) -> str:
+    if call.tool == "sleep":
+        await asyncio.sleep(float(call.args["seconds"]))
+    if call.tool == "crash":
+        raise RuntimeError("the tool crashed")
+    return "ok"
+
+
+def test_timeouts_and_crashes_end_the_rollout_and_are_reported() -> None:
+    factory = PythonSandboxes(make=dict, run=slow_or_broken, fingerprint="slow")
+    calls = [TraceCall("ok", {}), TraceCall("sleep", {"seconds": 5}), TraceCall("ok", {}), TraceCall("ok", {"n": 1})]
+    traces = [
+        Trace("t", "slow", "", calls),
+        Trace("t", "crash", "", [TraceCall("ok", {}), TraceCall("crash", {}), TraceCall("ok", {})]),
+    ]
+    workload = Workload("faulty", traces, lambda task: factory, Tools())
+    result = asyncio.run(replay_policies(workload, ["none", "tvcache"], ReplayOptions(timeout=0.05, progress=False)))
+    for run in result.policies.values():
+        assert run.timeouts == 1 and run.failed_rollouts == 1, run.name
+        assert run.errors == 2 and run.skipped == 3 and run.calls == 4
+        assert run.first_error is not None and "the tool crashed" in run.first_error
+    assert result.policies["tvcache"].incorrect_hits == 0
+
+
+# -- reports and the command line ------------------------------------------------------------------------------
+
+
+def test_percentile() -> None:
+    assert percentile([], 0.5) == 0.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert percentile([1.0, 2.0, 3.0], 0.9) == pytest.approx(2.8)
+
+
+def test_reports(tmp_path: Path) -> None:
+    workload = synthetic.build_workload(synthetic.Params(tasks=2, rollouts=3, calls=5, cost_ms=1, capacity=0))
+    try:
+        result = asyncio.run(
+            replay_policies(workload, ["none", "naive", "paper", "tvcache"], ReplayOptions(epochs=2, progress=False))
+        )
+    finally:
+        asyncio.run(workload.close())
+    out = io.StringIO()
+    print_table(result, Console(file=out, width=200))
+    text = out.getvalue()
+    for name in ("none", "naive", "paper", "tvcache", "hit rate", "incorrect hits", "peak memory"):
+        assert name in text
+    write_json(result, tmp_path / "out.json")
+    figures = json.loads((tmp_path / "out.json").read_text())
+    for row in figures["policies"].values():
+        for key in ("hit_rate", "incorrect_hits", "executions", "median_call_seconds", "total_tool_seconds"):
+            assert key in row
+    assert figures["policies"]["none"]["executions"] == 2 * 2 * 3 * 5
+    assert len(figures["policies"]["tvcache"]["epoch_hit_rates"]) == 2
+    charts = write_charts(result, tmp_path / "charts")
+    assert len(charts) == 3
+    for chart in charts:
+        assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tvcache")
+    replay_cli.add_commands(parser.add_subparsers(dest="command", required=True))
+    return replay_cli.run_command(parser.parse_args(argv))
+
+
+def test_replay_command_on_sqlite(tmp_path: Path) -> None:
+    rng = random.Random(0)
+    traces = [Trace(f"q{t}", f"r{r}", "test", quick.chinook_rollout(t, rng)) for t in range(3) for r in range(3)]
+    write_traces(tmp_path / "sql.jsonl", traces)
+    out = tmp_path / "out.json"
+    chinook = str(workload_path("sql", "chinook", "chinook.sqlite"))
+    argv = [str(tmp_path / "sql.jsonl"), "--sandbox", "sqlite", "--base", chinook, "--tasks", "2", "--epochs", "2"]
+    code = cli(["replay", *argv, "--policies", "none,tvcache", "--json", str(out), "--no-progress"])
+    assert code == 0
+    figures = json.loads(out.read_text())
+    assert figures["tasks"] == 2 and figures["rollouts"] == 6 and set(figures["policies"]) == {"none", "tvcache"}
+    assert figures["policies"]["tvcache"]["incorrect_hits"] == 0
+    assert figures["policies"]["tvcache"]["hit_rate"] > 0.5
+
+
+def test_replay_command_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"task": "t", "rollout": "r", "calls": []}\n{"task": "t"\n')
+    assert cli(["replay", str(bad), "--sandbox", "sqlite", "--base", "x"]) == 2
+    assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
+    good = tmp_path / "good.jsonl"
+    write_traces(good, [Trace("t", "r", "", [TraceCall("sql", {"query": "SELECT 1"})])])
+    assert cli(["replay", str(good), "--sandbox", "docker"]) == 2
+    assert "unknown sandbox 'docker'" in capsys.readouterr().err
+    assert cli(["replay", str(good), "--sandbox", "sqlite"]) == 2
+    assert "--base" in capsys.readouterr().err
+    assert cli(["replay", str(good), "--sandbox", "python:no_such_module_xyz:f"]) == 2
+    assert "cannot import" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(["replay", str(good), "--sandbox", "sqlite", "--policies", "none,magic"])
+    assert "unknown policy magic" in capsys.readouterr().err
+
+
+def test_replay_command_with_a_python_factory(tmp_path: Path) -> None:
+    traces = synthetic.generate(synthetic.Params(tasks=2, rollouts=3, calls=4, cost_ms=0))
+    write_traces(tmp_path / "kv.jsonl", traces)
+    out = tmp_path / "out.json"
+    argv = ["replay", str(tmp_path / "kv.jsonl"), "--sandbox", "python:tvcache.bench.synthetic:make_sandboxes"]
+    assert cli([*argv, "--read-only", "read", "--json", str(out), "--no-progress"]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["policies"]["tvcache"]["incorrect_hits"] == 0
+    assert figures["policies"]["naive"]["compared"] == 24
+
+
+def test_prefetch_warms_sandboxes_for_the_next_step() -> None:
+    def warm(prefetch: bool) -> float:
+        workload = synthetic.build_workload(synthetic.Params(tasks=6, rollouts=4, calls=4, cost_ms=2, capacity=0))
+        try:
+            options = ReplayOptions(batch=2, prefetch=prefetch, progress=False)
+            result = asyncio.run(replay_policies(workload, ["tvcache"], options))
+        finally:
+            asyncio.run(workload.close())
+        return result.policies["tvcache"].stats["warm"]
+
+    assert warm(True) > 0
+    assert warm(False) == 0
+
+
+def test_quick_reduced() -> None:
+    figures = quick.run(small=True)
+    policies = figures["policies"]
+    assert policies["tvcache"]["incorrect_hits"] == 0
+    assert policies["paper"]["incorrect_hits"] == 0
+    assert policies["naive"]["incorrect_hits"] > 0
+
+
+def test_synthetic_scale_reduced() -> None:
+    rows = asyncio.run(synthetic.scale(tasks=4, rollouts=4, calls=10, checkpoints=2, probes=4))
+    assert [r["rollouts"] for r in rows] == [8, 16]
+    assert 0 < rows[0]["entries"] < rows[1]["entries"] <= 16 * 10
+    assert rows[1]["nodes"] > rows[0]["nodes"]
+    assert all(r["hit_p50_us"] > 0 for r in rows)
+
+
+def test_setup_runs_once_before_every_rollout(tmp_path: Path) -> None:
+    """`--setup` on SQLite: a script run on a private copy (the base file stays as it was)."""
+    base = tmp_path / "base.sqlite"
+    conn = sqlite3.connect(base)
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    before = base.read_bytes()
+    traces = tmp_path / "t.jsonl"
+    write_traces(traces, [Trace("t", f"r{r}", "", [TraceCall("sql", {"query": "SELECT x FROM t"})]) for r in range(2)])
+    out = tmp_path / "out.json"
+    argv = ["replay", str(traces), "--sandbox", "sqlite", "--base", str(base), "--no-progress", "--json", str(out)]
+    assert cli([*argv, "--setup", "INSERT INTO t VALUES (42);", "--policies", "none,tvcache"]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["policies"]["tvcache"]["hit_rate"] == 0.5 and figures["policies"]["tvcache"]["incorrect_hits"] == 0
+    assert base.read_bytes() == before
+    assert cli([*argv, "--setup", "INSERT INTO nowhere VALUES (1);"]) == 2
+
+
+def test_workspace_setup(tmp_path: Path) -> None:
+    """`--setup` on a workspace: a shell command run once in a sandbox, whose snapshot every rollout starts from."""
+    from tvcache.bench.workload import load_workload
+
+    base = tmp_path / "project"
+    base.mkdir()
+    (base / "a.txt").write_text("from the base\n")
+    traces = tmp_path / "t.jsonl"
+    write_traces(traces, [Trace("t", "r0", "", [TraceCall("bash", {"command": "cat /testbed/a.txt /testbed/b.txt"})])])
+
+    async def main() -> Any:
+        workload = await load_workload(
+            traces, "workspace", base=base, setup="cd /testbed && echo from setup > b.txt", timeout=30
+        )
+        try:
+            box = await workload.sandboxes("t").create()
+            try:
+                return await box.execute(workload.tools.call("bash", {"command": "cat /testbed/a.txt /testbed/b.txt"}))
+            finally:
+                await box.close()
+        finally:
+            await workload.close()
+
+    outcome = asyncio.run(main())
+    assert outcome.output["output"] == "from the base\nfrom setup\n" and outcome.output["exit_code"] == 0
+    assert not (base / "b.txt").exists()
+    with pytest.raises(Exception, match="setup"):
+        asyncio.run(load_workload(traces, "workspace", base=base, setup="exit 3"))
