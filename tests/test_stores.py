@@ -1,4 +1,5 @@
-"""The store interface, the same checks for every embedded store; durability of the SQLite store."""
+"""The store interface: the same checks for every store (memory, SQLite, Redis, Redis Cluster); durability of the
+SQLite store."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from redis_server import redis_cluster, redis_server  # noqa: F401  (fixtures for the redis stores)
 from tvcache.graph import EDGE, MEMO, Entry, Scope, child_id
 from tvcache.stores import Claim, open_store
 from tvcache.stores.memory import MemoryStore
@@ -25,9 +27,20 @@ ROOT = SCOPE.root
 D1, D2 = b"1" * 16, b"2" * 16
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "redis", "redis-cluster"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    s: Any = MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "c.db")
+    s: Any
+    if request.param == "memory":
+        s = MemoryStore()
+    elif request.param == "sqlite":
+        s = SQLiteStore(tmp_path / "c.db")
+    else:  # a real server (or 3-node cluster) started once per session, emptied for each test
+        pytest.importorskip("redis", reason="the redis package (redis-py) is not installed")
+        from tvcache.stores.redis import RedisStore
+
+        server = request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
+        server.flush()
+        s = RedisStore(server.url)
     yield s
     asyncio.run(s.close())
 

@@ -1,0 +1,644 @@
+"""The shared store on Redis or Redis Cluster: many processes on many machines use one graph.
+
+    RedisStore("redis://127.0.0.1:6379/0")            # one server (rediss:// for TLS)
+    RedisStore("redis+cluster://10.0.0.5:7000")       # a cluster, found from any of its nodes
+
+Every method is one Lua script (EVALSHA, falling back to EVAL when the server has not cached it) or one
+command, so each step of the per-call algorithm is atomic on the server and costs one round trip. Every key of
+a scope carries the hash tag `{scope}`: a scope lives in one cluster slot, so its scripts run on one node.
+
+Keys of scope S, all under the prefix `tvc:{S}:` (`<hex>` is node + digest in hex):
+
+    entries            hash    node + digest -> msgpack Entry; first writer wins (HSETNX)
+    hits               hash    node + digest -> how many lookups hit it, for export
+    claim:<hex>        string  the token of whoever executes that call now; expires after the claim ttl
+    waiters:<hex>      int     how many waiters registered since the claim's last wake-up
+    wake:<hex>         list    one element per registered waiter, pushed when the claim ends; expires
+    origins            set     the origins that hold snapshots in S
+    snap:<origin>      hash    node -> snapshot id
+    parent:<origin>    hash    node -> the nearest snapshotted ancestor when the snapshot was added
+    used:<origin>      zset    node -> last used (server clock, seconds): LRU order for eviction
+    lease:<origin>     zset    node + nonce -> expiry (server clock): a snapshot is leased while one is live
+
+and `tvc:tasks`, one hash of every scope's TaskInfo (its own slot; written once per recording rollout).
+
+A waiter does not poll: it registers under `waiters:<hex>` and blocks in BLPOP on `wake:<hex>`, on a
+connection of its own (BLPOP holds its connection), for at most the claim's remaining time. Whoever ends the
+claim (a record, or a release) pushes one element per registered waiter, so every waiter wakes the moment the
+entry lands, and one whose claimant died wakes when the claim expires. The wake list outlives the push by a
+few seconds, so a waiter that registered just before the push and blocks just after still finds its element;
+a stale element only causes a spurious wake-up, after which the waiter looks again.
+
+All times (lease expiry, last use) come from the server's clock, so machines with skewed clocks agree.
+Failures to reach the server raise `StoreError` quickly (a short connect timeout, no client-side retries), so
+the cache falls back to executing directly instead of stalling a training step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import secrets
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import ConnectionPool, SSLConnection, parse_url
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+
+from ..graph import Entry
+from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo, export_entries
+
+__all__ = ["RedisStore"]
+
+CONNECT_TIMEOUT = 1.0  # seconds; an unreachable server must fail fast, the cache then executes directly
+SOCKET_TIMEOUT = 5.0  # a reply taking longer means the server is stuck: also a failure
+WAKE_SECONDS = 10  # how long a wake list outlives its push; far above one round trip
+
+_Arg = str | bytes | int | float
+_ERRORS = (RedisError, RedisClusterException, OSError)
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_entry = msgspec.msgpack.Decoder(Entry).decode
+_decode_task = msgspec.msgpack.Decoder(TaskInfo).decode
+
+
+class _Client(Protocol):
+    """What this store uses of `redis.asyncio.Redis` and `RedisCluster`."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _Script:
+    def __init__(self, *parts: str):
+        self.source = "\n".join(parts)
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+
+# -- scripts -------------------------------------------------------------------------------------------------
+
+_CLOCK = """
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+"""
+
+_WAKE = """
+local function wake(waiters, list)
+  local n = tonumber(redis.call('GET', waiters) or '0')
+  if n > 0 then
+    redis.call('DEL', waiters)
+    for _ = 1, n do redis.call('LPUSH', list, '1') end
+    redis.call('EXPIRE', list, ARGV[#ARGV])
+  end
+end
+"""
+
+# KEYS: entries, hits, claim. ARGV: field, claim milliseconds (0: do not claim), token.
+# Returns the entry (bytes), 1 (claimed), 0 (someone else holds the claim) or nil (a miss, not claiming).
+_LOOKUP = _Script("""
+local entry = redis.call('HGET', KEYS[1], ARGV[1])
+if entry then
+  redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+  return entry
+end
+if ARGV[2] == '0' then return false end
+if redis.call('SET', KEYS[3], ARGV[3], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+""")
+
+# KEYS: entries, claim, waiters. ARGV: field.
+# Returns the entry, nil when no claim is held (released or expired), else the claim's milliseconds left,
+# having registered the caller as a waiter to wake.
+_WAIT = _Script("""
+local entry = redis.call('HGET', KEYS[1], ARGV[1])
+if entry then return entry end
+local left = redis.call('PTTL', KEYS[2])
+if left < 0 then return false end
+redis.call('INCR', KEYS[3])
+redis.call('PEXPIRE', KEYS[3], left + 1000 * tonumber(ARGV[2]))
+return left
+""")
+
+# KEYS: entries, claim, waiters, wake. ARGV: field, entry, wake seconds.
+# Returns nil if `entry` was stored, else the entry that was there first. Ends the claim whoever holds it:
+# with an entry recorded, nobody needs to execute the call any more.
+_RECORD = _Script(
+    _WAKE,
+    """
+local stored = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1
+redis.call('DEL', KEYS[2])
+wake(KEYS[3], KEYS[4])
+if stored then return false end
+return redis.call('HGET', KEYS[1], ARGV[1])
+""",
+)
+
+# KEYS: claim, waiters, wake. ARGV: token, wake seconds.
+_RELEASE = _Script(
+    _WAKE,
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  wake(KEYS[2], KEYS[3])
+end
+return 0
+""",
+)
+
+# KEYS: claim. ARGV: token, milliseconds.
+_REFRESH = _Script("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+""")
+
+# The snapshot scripts take KEYS[1] = the scope's origins set and ARGV[1] = the scope's key prefix, and name
+# an origin's keys here, in one place. Those names carry the scope's hash tag, so they live in KEYS[1]'s
+# slot: Redis Cluster lets a script use undeclared keys of the slot it runs in.
+_SNAPSHOT_KEYS = """
+local function keys_of(origin)
+  local p = ARGV[1]
+  return p .. 'snap:' .. origin, p .. 'parent:' .. origin, p .. 'used:' .. origin, p .. 'lease:' .. origin
+end
+
+local function leased_nodes(lease, now)
+  local nodes = {}
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', lease, string.format('(%.17g', now), '+inf')) do
+    nodes[string.sub(m, 1, 16)] = true
+  end
+  return nodes
+end
+
+-- Rows of {origin, node, snapshot id, parent or '', last used, leased 0/1}, appended to `out`.
+local function records(origin, now, out)
+  local snap, parent, used, lease = keys_of(origin)
+  local leased = leased_nodes(lease, now)
+  local ranked = redis.call('ZRANGE', used, 0, -1, 'WITHSCORES')
+  for i = 1, #ranked, 2 do
+    local node = ranked[i]
+    out[#out + 1] = {
+      origin, node, redis.call('HGET', snap, node), redis.call('HGET', parent, node) or '', ranked[i + 1],
+      leased[node] and 1 or 0,
+    }
+  end
+  return out
+end
+"""
+
+# ARGV: prefix, origin, ttl seconds, nonce, path nodes (root first). Returns {node, snapshot id} or nil.
+_LEASE = _Script(
+    _CLOCK,
+    _SNAPSHOT_KEYS,
+    """
+local snap, _, used, lease = keys_of(ARGV[2])
+for i = #ARGV, 5, -1 do
+  local node = ARGV[i]
+  local id = redis.call('HGET', snap, node)
+  if id then
+    local now = clock()
+    redis.call('ZREMRANGEBYSCORE', lease, '-inf', now)
+    redis.call('ZADD', lease, now + tonumber(ARGV[3]), node .. ARGV[4])
+    redis.call('ZADD', used, now, node)
+    return {node, id}
+  end
+end
+return false
+""",
+)
+
+# ARGV: prefix, origin, lease member.
+_UNLEASE = _Script(
+    _SNAPSHOT_KEYS,
+    """
+local _, _, _, lease = keys_of(ARGV[2])
+redis.call('ZREM', lease, ARGV[3])
+return 0
+""",
+)
+
+# ARGV: prefix, origin, budget, snapshot id, path nodes (root first; the snapshot is at the last).
+# Returns the snapshot ids to delete. Eviction follows tvcache.policy.choose_evictions: never a leased one,
+# leaves before inner snapshots, least recently used first, the one just added last.
+_ADD_SNAPSHOT = _Script(
+    _CLOCK,
+    _SNAPSHOT_KEYS,
+    """
+local origin, budget, id, node = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[#ARGV]
+local snap, parent, used, lease = keys_of(origin)
+if redis.call('HEXISTS', snap, node) == 1 then return {id} end
+local above = false
+for i = #ARGV - 1, 5, -1 do
+  if redis.call('HEXISTS', snap, ARGV[i]) == 1 then above = ARGV[i] break end
+end
+local now = clock()
+redis.call('HSET', snap, node, id)
+if above then redis.call('HSET', parent, node, above) end
+redis.call('ZADD', used, now, node)
+redis.call('SADD', KEYS[1], origin)
+local excess = redis.call('HLEN', snap) - budget
+if excess <= 0 then return {} end
+
+redis.call('ZREMRANGEBYSCORE', lease, '-inf', now)
+local leased = leased_nodes(lease, now)
+local inner = {}
+for _, p in ipairs(redis.call('HVALS', parent)) do inner[p] = true end
+local lru = redis.call('ZRANGE', used, 0, -1)
+local doomed = {}
+local function pick(want_inner)
+  for _, n in ipairs(lru) do
+    if #doomed < excess and n ~= node and not leased[n] and (inner[n] == true) == want_inner then
+      doomed[#doomed + 1] = n
+    end
+  end
+end
+pick(false)
+pick(true)
+if #doomed < excess and not leased[node] then doomed[#doomed + 1] = node end
+
+local ids = {}
+for _, n in ipairs(doomed) do
+  ids[#ids + 1] = redis.call('HGET', snap, n)
+  redis.call('HDEL', snap, n)
+  redis.call('HDEL', parent, n)
+  redis.call('ZREM', used, n)
+end
+if redis.call('HLEN', snap) == 0 then redis.call('SREM', KEYS[1], origin) end
+return ids
+""",
+)
+
+# ARGV: prefix, origin, node, snapshot id. Forgets the snapshot and any lease on it.
+_DROP_SNAPSHOT = _Script(
+    _SNAPSHOT_KEYS,
+    """
+local origin, node = ARGV[2], ARGV[3]
+local snap, parent, used, lease = keys_of(origin)
+if redis.call('HGET', snap, node) ~= ARGV[4] then return 0 end
+redis.call('HDEL', snap, node)
+redis.call('HDEL', parent, node)
+redis.call('ZREM', used, node)
+for _, m in ipairs(redis.call('ZRANGE', lease, 0, -1)) do
+  if string.sub(m, 1, 16) == node then redis.call('ZREM', lease, m) end
+end
+if redis.call('HLEN', snap) == 0 then redis.call('SREM', KEYS[1], origin) end
+return 1
+""",
+)
+
+# ARGV: prefix, and an origin (else all of them). Returns record rows.
+_SNAPSHOTS = _Script(
+    _CLOCK,
+    _SNAPSHOT_KEYS,
+    """
+local origins = ARGV[2] and {ARGV[2]} or redis.call('SMEMBERS', KEYS[1])
+local now, out = clock(), {}
+for _, origin in ipairs(origins) do records(origin, now, out) end
+return out
+""",
+)
+
+# KEYS: origins, entries, hits. ARGV: prefix. Deletes the scope's graph (claims and wake lists expire).
+_FORGET = _Script(
+    _SNAPSHOT_KEYS,
+    """
+for _, origin in ipairs(redis.call('SMEMBERS', KEYS[1])) do redis.call('DEL', keys_of(origin)) end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+return 0
+""",
+)
+
+# KEYS: origins, entries, hits. ARGV: prefix, limit.
+# Returns {truncated 0/1, rows of {field, entry, hits}, snapshot record rows}.
+_EXPORT = _Script(
+    _CLOCK,
+    _SNAPSHOT_KEYS,
+    """
+local limit = tonumber(ARGV[2])
+local rows, seen, cursor = {}, {}, '0'
+repeat
+  local page = redis.call('HSCAN', KEYS[2], cursor, 'COUNT', 1000)
+  cursor = page[1]
+  local items = page[2]
+  for i = 1, #items, 2 do
+    local field = items[i]
+    if #rows <= limit and not seen[field] then
+      seen[field] = true
+      rows[#rows + 1] = {field, items[i + 1], redis.call('HGET', KEYS[3], field) or '0'}
+    end
+  end
+until cursor == '0' or #rows > limit
+local truncated = 0
+if #rows > limit then
+  truncated = 1
+  rows[#rows] = nil
+end
+local snapshots, now = {}, clock()
+for _, origin in ipairs(redis.call('SMEMBERS', KEYS[1])) do records(origin, now, snapshots) end
+return {truncated, rows, snapshots}
+""",
+)
+
+
+# -- the store -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Keys:
+    """Names of a scope's keys that Python builds (the snapshot scripts name the rest)."""
+
+    prefix: str
+    entries: str
+    hits: str
+    origins: str
+
+
+@dataclass(slots=True)
+class _Connection:
+    loop: asyncio.AbstractEventLoop
+    client: _Client
+    blocking: _Client  # for BLPOP: no socket timeout, since a wait blocks its connection on purpose
+    closer: AsyncGenerator[None, None]
+    ready: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+async def _close_at_loop_end(clients: Sequence[_Client]) -> AsyncGenerator[None, None]:
+    """Suspended until closed: by `close()`, or by `asyncio.run` finalizing async generators when its loop
+    ends, which closes the connections on the loop that owns them."""
+    try:
+        yield
+    finally:
+        for client in clients:
+            with contextlib.suppress(*_ERRORS):  # best effort: the server may be gone, why we close
+                await client.aclose()
+
+
+class RedisStore:
+    """A `Store` on Redis or Redis Cluster. Connects lazily, on the event loop that first uses it.
+
+    Query parameters of the URL are passed to redis-py (`?socket_timeout=2&socket_connect_timeout=0.5`).
+    `prefix` separates unrelated caches sharing one database.
+    """
+
+    def __init__(self, url: str, *, prefix: str = "tvc"):
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(f"a key prefix must not hold braces (they make Redis Cluster hash tags): {prefix!r}")
+        self._prefix = prefix
+        self._cluster = url.startswith(("redis+cluster://", "rediss+cluster://"))
+        if not url.startswith(("redis://", "rediss://", "unix://")) and not self._cluster:
+            raise ValueError(
+                f"a Redis store URL is redis://host:port/db, rediss://..., unix:///path or redis+cluster://host:port,"
+                f" got {url!r}"
+            )
+        options: dict[str, Any] = {
+            "socket_connect_timeout": CONNECT_TIMEOUT,
+            "socket_timeout": SOCKET_TIMEOUT,
+            **parse_url(url.replace("+cluster://", "://", 1)),
+        }
+        if self._cluster:
+            if options.pop("db", 0):
+                raise ValueError(f"a Redis Cluster has only database 0: {url!r}")
+            if options.pop("connection_class", None) is SSLConnection:
+                options["ssl"] = True
+        self._options = options
+        self._grace = float(options["socket_timeout"] or SOCKET_TIMEOUT)
+        self._where = f"{options.get('host') or options.get('path')}:{options.get('port', '')}"
+        self._tasks_key = f"{prefix}:tasks"
+        self._keys: dict[str, _Keys] = {}
+        self._connection: _Connection | None = None
+
+    # -- connections -------------------------------------------------------------------------------------
+
+    def _connect(self, socket_timeout: float | None) -> _Client:
+        # No client-side retries: a failed step of a rollout is retried by executing directly, and a retried
+        # script could apply twice. A dead pooled connection is still replaced, as redis-py checks each one it
+        # hands out.
+        options = {**self._options, "socket_timeout": socket_timeout, "retry": Retry(NoBackoff(), 0)}
+        if self._cluster:
+            client: _Client = RedisCluster(**options)
+            return client
+        return Redis.from_pool(ConnectionPool(**options))
+
+    async def _link(self) -> _Connection:
+        """This event loop's connections. redis-py's connections belong to the loop that opened them, and a
+        store may outlive a loop (`asyncio.run` per test, per training step): a new loop gets new ones."""
+        loop = asyncio.get_running_loop()
+        link = self._connection
+        if link is None or link.loop is not loop:
+            client, blocking = self._connect(self._options["socket_timeout"]), self._connect(None)
+            link = self._connection = _Connection(loop, client, blocking, _close_at_loop_end((client, blocking)))
+            await anext(link.closer)
+        if not link.ready:
+            async with link.lock:
+                # A cluster client learns the slot map before its first command: one sent before that goes to
+                # an arbitrary node and is redirected, and redis-py answers a burst of redirections by
+                # rebuilding its connections under the commands in flight.
+                for c in (link.client, link.blocking):
+                    if not link.ready and isinstance(c, RedisCluster):
+                        await c.initialize()
+                link.ready = True
+        return link
+
+    def _error(self, exc: BaseException) -> StoreError:
+        return StoreError(f"redis store at {self._where}: {type(exc).__name__}: {exc}")
+
+    def _scope(self, scope: str) -> _Keys:
+        keys = self._keys.get(scope)
+        if keys is None:
+            if not scope or "{" in scope or "}" in scope:
+                raise ValueError(f"a scope key must be non-empty and hold no braces: {scope!r}")
+            prefix = f"{self._prefix}:{{{scope}}}:"
+            keys = self._keys[scope] = _Keys(prefix, prefix + "entries", prefix + "hits", prefix + "origins")
+        return keys
+
+    async def _eval(self, script: _Script, keys: Sequence[_Arg], args: Sequence[_Arg]) -> Any:
+        try:
+            client = (await self._link()).client
+            try:
+                return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            except NoScriptError:  # a restarted or new server: EVAL caches the script there
+                return await client.execute_command("EVAL", script.source, len(keys), *keys, *args)
+        except _ERRORS as exc:
+            raise self._error(exc) from exc
+
+    async def _command(self, *args: _Arg) -> Any:
+        try:
+            return await (await self._link()).client.execute_command(*args)
+        except _ERRORS as exc:
+            raise self._error(exc) from exc
+
+    async def _block(self, key: str, seconds: float) -> None:
+        """Wait up to `seconds` for an element on the wake list `key`."""
+        seconds = max(seconds, 0.001)  # BLPOP with timeout 0 would block forever
+        try:
+            # The local deadline only catches a server that stopped answering: BLPOP's own timeout ends a
+            # normal wait.
+            blocking = (await self._link()).blocking
+            await asyncio.wait_for(blocking.execute_command("BLPOP", key, f"{seconds:.3f}"), seconds + self._grace)
+        except (*_ERRORS, TimeoutError) as exc:
+            raise self._error(exc) from exc
+
+    # -- entries and claims ------------------------------------------------------------------------------
+
+    async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
+        keys = self._scope(scope)
+        field = node + digest
+        claim_ms = max(1, round(claim * 1000)) if claim > 0 else 0
+        token = secrets.token_hex(8) if claim_ms else ""
+        found = await self._eval(
+            _LOOKUP, (keys.entries, keys.hits, f"{keys.prefix}claim:{field.hex()}"), (field, claim_ms, token)
+        )
+        if isinstance(found, bytes):
+            return self._entry(found)
+        if found is None:
+            return None
+        return Claim(token if found == 1 else None)
+
+    async def wait(self, scope: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
+        keys = self._scope(scope)
+        field = node + digest
+        name = field.hex()
+        claim, waiters, wake = (f"{keys.prefix}{kind}:{name}" for kind in ("claim", "waiters", "wake"))
+        deadline = time.monotonic() + timeout
+        while True:
+            found = await self._eval(_WAIT, (keys.entries, claim, waiters), (field, WAKE_SECONDS))
+            if isinstance(found, bytes):
+                return self._entry(found)
+            left = deadline - time.monotonic()
+            if found is None or left <= 0:
+                return None
+            # Woken by a record, a release or the claim's expiry, look again: a refreshed claim is waited on
+            # anew, and a spurious wake-up (a stale element) costs one round trip.
+            await self._block(wake, min(left, found / 1000 + 0.002))
+
+    async def record(self, scope: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
+        keys = self._scope(scope)
+        field = node + digest
+        name = field.hex()
+        earlier = await self._eval(
+            _RECORD,
+            (keys.entries, f"{keys.prefix}claim:{name}", f"{keys.prefix}waiters:{name}", f"{keys.prefix}wake:{name}"),
+            (field, _encode(entry), WAKE_SECONDS),
+        )
+        return entry if earlier is None else self._entry(earlier)
+
+    async def release(self, scope: str, node: bytes, digest: bytes, token: str) -> None:
+        prefix, name = self._scope(scope).prefix, (node + digest).hex()
+        await self._eval(
+            _RELEASE,
+            (f"{prefix}claim:{name}", f"{prefix}waiters:{name}", f"{prefix}wake:{name}"),
+            (token, WAKE_SECONDS),
+        )
+
+    async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
+        claim = f"{self._scope(scope).prefix}claim:{(node + digest).hex()}"
+        return bool(await self._eval(_REFRESH, (claim,), (token, max(1, round(ttl * 1000)))))
+
+    def _entry(self, blob: bytes) -> Entry:
+        try:
+            return _decode_entry(blob)
+        except msgspec.DecodeError as exc:
+            raise StoreError(f"redis store at {self._where}: a corrupt entry: {exc}") from exc
+
+    # -- snapshots ---------------------------------------------------------------------------------------
+
+    async def lease(self, scope: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
+        if not path:
+            return None
+        keys = self._scope(scope)
+        nonce = secrets.token_hex(8)
+        found = await self._eval(_LEASE, (keys.origins,), (keys.prefix, origin, ttl, nonce, *path))
+        if found is None:
+            return None
+        node, snapshot_id = found
+        # The token names what it leases, so `unlease(scope, token)` needs no table to find it.
+        return Lease(node, snapshot_id.decode(), f"{nonce}{node.hex()}{origin}")
+
+    async def unlease(self, scope: str, token: str) -> None:
+        nonce, node, origin = token[:16], token[16:48], token[48:]
+        try:
+            member = bytes.fromhex(node) + nonce.encode()
+        except ValueError:
+            return  # not a token of ours: nothing is leased under it
+        keys = self._scope(scope)
+        await self._eval(_UNLEASE, (keys.origins,), (keys.prefix, origin, member))
+
+    async def add_snapshot(
+        self, scope: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
+    ) -> list[str]:
+        if not path:
+            raise ValueError("add_snapshot needs the path to the snapshot's node, root first")
+        keys = self._scope(scope)
+        doomed = await self._eval(_ADD_SNAPSHOT, (keys.origins,), (keys.prefix, origin, budget, snapshot_id, *path))
+        return [sid.decode() for sid in doomed]
+
+    async def drop_snapshot(self, scope: str, origin: str, node: bytes, snapshot_id: str) -> None:
+        keys = self._scope(scope)
+        await self._eval(_DROP_SNAPSHOT, (keys.origins,), (keys.prefix, origin, node, snapshot_id))
+
+    async def snapshots(self, scope: str, origin: str | None = None) -> list[SnapshotRecord]:
+        keys = self._scope(scope)
+        rows = await self._eval(
+            _SNAPSHOTS, (keys.origins,), (keys.prefix,) if origin is None else (keys.prefix, origin)
+        )
+        return _records(rows)
+
+    # -- tasks and export --------------------------------------------------------------------------------
+
+    async def register(self, info: TaskInfo) -> None:
+        await self._command("HSETNX", self._tasks_key, info.key, _encode(info))
+
+    async def tasks(self) -> list[TaskInfo]:
+        return [_decode_task(blob) for blob in await self._command("HVALS", self._tasks_key)]
+
+    async def export(self, scope: str, limit: int = 10_000) -> GraphExport:
+        keys = self._scope(scope)
+        # The task registry lives in its own slot, so it is asked alongside, not inside, the scope's script.
+        info, (truncated, rows, snapshots) = await asyncio.gather(
+            self._command("HGET", self._tasks_key, scope),
+            self._eval(_EXPORT, (keys.origins, keys.entries, keys.hits), (keys.prefix, max(0, limit))),
+        )
+        entries = export_entries((f[:16], f[16:], self._entry(blob), int(hits)) for f, blob, hits in rows)
+        return GraphExport(
+            _decode_task(info) if info is not None else None, entries, _records(snapshots), bool(truncated)
+        )
+
+    async def forget(self, scope: str) -> None:
+        """Delete a scope's entries, hit counts, snapshot records and its name: for scopes nobody will use
+        again (a changed environment gets a new scope, so the old one only takes memory). The caller deletes
+        the snapshots themselves from its sandboxes first (see `snapshots`)."""
+        keys = self._scope(scope)
+        await asyncio.gather(
+            self._eval(_FORGET, (keys.origins, keys.entries, keys.hits), (keys.prefix,)),
+            self._command("HDEL", self._tasks_key, scope),
+        )
+
+    async def close(self) -> None:
+        link, self._connection = self._connection, None
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if link is not None and link.loop is running:
+            await link.closer.aclose()
+        # Connections of another loop are closed when that loop ends (see `_close_at_loop_end`).
+
+
+def _records(rows: Sequence[Sequence[Any]]) -> list[SnapshotRecord]:
+    return [
+        SnapshotRecord(origin.decode(), node, sid.decode(), parent or None, float(used), bool(leased))
+        for origin, node, sid, parent, used, leased in rows
+    ]
