@@ -11,7 +11,10 @@ import contextlib
 import secrets
 import time
 
-__all__ = ["Flights"]
+from ..graph import Entry
+from .base import Claim
+
+__all__ = ["EmbeddedEntries", "Flights"]
 
 
 class _Flight:
@@ -64,3 +67,44 @@ class Flights:
 
     def __len__(self) -> int:
         return len(self._flights)
+
+
+class EmbeddedEntries:
+    """The entry half of the Store interface for stores living in this process (memory, SQLite): lookups,
+    single flight by `Flights`, first-writer-wins records. Subclasses say how to get and put an entry."""
+
+    def __init__(self) -> None:
+        self._flights = Flights()
+        self._hits: dict[bytes, int] = {}  # node + digest -> hits, for exports
+
+    def _get(self, scope: str, node: bytes, digest: bytes) -> Entry | None:
+        raise NotImplementedError
+
+    def _put(self, scope: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
+        """Store `entry` unless one exists; return the one stored."""
+        raise NotImplementedError
+
+    async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
+        entry = self._get(scope, node, digest)
+        key = node + digest
+        if entry is not None:
+            self._hits[key] = self._hits.get(key, 0) + 1
+            return entry
+        if claim <= 0:
+            return None
+        return Claim(self._flights.claim(key, claim))
+
+    async def wait(self, scope: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
+        await self._flights.wait(node + digest, timeout)
+        return self._get(scope, node, digest)
+
+    async def record(self, scope: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
+        winner = self._put(scope, node, digest, entry)
+        self._flights.finish(node + digest, None)  # any entry ends the flight, whoever claimed it
+        return winner
+
+    async def release(self, scope: str, node: bytes, digest: bytes, token: str) -> None:
+        self._flights.finish(node + digest, token)
+
+    async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
+        return self._flights.refresh(node + digest, token, ttl)

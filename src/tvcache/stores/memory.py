@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from ..graph import Entry
 from ..policy import choose_evictions
-from .base import Claim, GraphExport, Lease, SnapshotRecord, TaskInfo, export_entries
-from .flights import Flights
+from .base import GraphExport, Lease, SnapshotRecord, TaskInfo, export_entries
+from .flights import EmbeddedEntries
 
 __all__ = ["MemoryStore"]
 
@@ -32,16 +32,15 @@ class _Snapshot:
 @dataclass
 class _Task:
     entries: dict[bytes, Entry] = field(default_factory=dict)  # node + digest -> entry
-    hits: dict[bytes, int] = field(default_factory=dict)
     snapshots: dict[str, dict[bytes, _Snapshot]] = field(default_factory=dict)  # origin -> node -> snapshot
     leases: dict[str, tuple[str, bytes]] = field(default_factory=dict)  # token -> (origin, node)
     info: TaskInfo | None = None
 
 
-class MemoryStore:
+class MemoryStore(EmbeddedEntries):
     def __init__(self) -> None:
+        super().__init__()
         self._tasks: dict[str, _Task] = {}
-        self._flights = Flights()
 
     def _task(self, scope: str) -> _Task:
         task = self._tasks.get(scope)
@@ -49,33 +48,11 @@ class MemoryStore:
             task = self._tasks[scope] = _Task()
         return task
 
-    async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
-        task = self._task(scope)
-        key = node + digest
-        entry = task.entries.get(key)
-        if entry is not None:
-            task.hits[key] = task.hits.get(key, 0) + 1
-            return entry
-        if claim <= 0:
-            return None
-        return Claim(self._flights.claim(key, claim))
+    def _get(self, scope: str, node: bytes, digest: bytes) -> Entry | None:
+        return self._task(scope).entries.get(node + digest)
 
-    async def wait(self, scope: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
-        key = node + digest
-        await self._flights.wait(key, timeout)
-        return self._task(scope).entries.get(key)
-
-    async def record(self, scope: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
-        key = node + digest
-        winner = self._task(scope).entries.setdefault(key, entry)
-        self._flights.finish(key, None)
-        return winner
-
-    async def release(self, scope: str, node: bytes, digest: bytes, token: str) -> None:
-        self._flights.finish(node + digest, token)
-
-    async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
-        return self._flights.refresh(node + digest, token, ttl)
+    def _put(self, scope: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
+        return self._task(scope).entries.setdefault(node + digest, entry)
 
     async def lease(self, scope: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
         task = self._task(scope)
@@ -140,7 +117,7 @@ class MemoryStore:
     async def export(self, scope: str, limit: int = 10_000) -> GraphExport:
         task = self._task(scope)
         items = list(task.entries.items())
-        entries = export_entries(((k[:16], k[16:], e, task.hits.get(k, 0)) for k, e in items[:limit]))
+        entries = export_entries(((k[:16], k[16:], e, self._hits.get(k, 0)) for k, e in items[:limit]))
         return GraphExport(task.info, entries, self._records(scope, None), len(items) > limit)
 
     async def close(self) -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ..graph import Entry
 from ..policy import choose_evictions
-from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo, export_entries
-from .flights import Flights
+from .base import GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo, export_entries
+from .flights import EmbeddedEntries
 
 __all__ = ["SQLiteStore"]
 
@@ -46,8 +46,9 @@ CREATE TABLE IF NOT EXISTS leases (
 """
 
 
-class SQLiteStore:
+class SQLiteStore(EmbeddedEntries):
     def __init__(self, path: str | Path):
+        super().__init__()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -59,10 +60,8 @@ class SQLiteStore:
             raise StoreError(f"cannot open the cache database {str(path)!r}: {exc}") from exc
         self.path = path
         self._entries: dict[bytes, Entry] = {}
-        self._hits: dict[bytes, int] = {}
-        self._flights = Flights()
 
-    def _get(self, node: bytes, digest: bytes) -> Entry | None:
+    def _get(self, scope: str, node: bytes, digest: bytes) -> Entry | None:
         key = node + digest
         entry = self._entries.get(key)
         if entry is None:
@@ -74,34 +73,12 @@ class SQLiteStore:
             entry = self._entries[key] = Entry(*row)
         return entry
 
-    async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
-        entry = self._get(node, digest)
-        if entry is not None:
-            key = node + digest
-            self._hits[key] = self._hits.get(key, 0) + 1
-            return entry
-        if claim <= 0:
-            return None
-        return Claim(self._flights.claim(node + digest, claim))
-
-    async def wait(self, scope: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
-        await self._flights.wait(node + digest, timeout)
-        return self._get(node, digest)
-
-    async def record(self, scope: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
+    def _put(self, scope: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
         self._db.execute(
             "INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)",
             (node, digest, scope, entry.kind, entry.output, entry.seconds, entry.call),
         )
-        winner = self._get(node, digest) or entry
-        self._flights.finish(node + digest, None)
-        return winner
-
-    async def release(self, scope: str, node: bytes, digest: bytes, token: str) -> None:
-        self._flights.finish(node + digest, token)
-
-    async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
-        return self._flights.refresh(node + digest, token, ttl)
+        return self._get(scope, node, digest) or entry
 
     async def lease(self, scope: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
         if not path:
