@@ -8,10 +8,12 @@ process and on every machine, which is what lets rollouts share entries without 
 from __future__ import annotations
 
 import hashlib
-import json
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 __all__ = ["KeyFunction", "ToolCall", "Tools", "canonical_json"]
 
@@ -20,24 +22,44 @@ DIGEST_SIZE = 16
 KeyFunction = Callable[[dict[str, Any]], dict[str, Any]]
 
 
-def _reject(value: object) -> Any:
+_encode = msgspec.json.Encoder(order="sorted").encode
+
+
+def _check(value: Any) -> None:
+    """Reject what has no single JSON text: NaN, infinities, non-string keys, sets and other objects.
+
+    msgspec would encode some of those (a set in iteration order, which differs between processes), so the
+    canonical form checks first; exact type tests keep this cheap on the hit path."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return
+    if kind is float:
+        if value != value or value in (math.inf, -math.inf):
+            raise ValueError(f"tool arguments must not contain NaN or infinity, got {value!r}")
+        return
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                raise TypeError(f"tool argument keys must be strings (JSON objects), got {type(key).__name__} {key!r}")
+            _check(item)
+        return
+    if kind is list or kind is tuple:
+        for item in value:
+            _check(item)
+        return
     raise TypeError(
         f"tool arguments must be JSON values (str, int, float, bool, None, list, dict); "
-        f"got {type(value).__name__}: {value!r:.80}"
+        f"got {kind.__name__}: {value!r:.80}"
     )
 
 
-def canonical_json(value: Any) -> str:
-    """The canonical JSON text of `value`: sorted keys, compact, UTF-8, NaN rejected.
+def canonical_json(value: Any) -> bytes:
+    """The canonical JSON of `value`: sorted keys, compact, UTF-8. Lists and tuples are both arrays.
 
     Non-JSON values raise `TypeError` naming the offending type; NaN and infinities raise `ValueError`.
     """
-    try:
-        return json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_reject
-        )
-    except ValueError as exc:
-        raise ValueError(f"tool arguments must not contain NaN or infinity ({exc})") from None
+    _check(value)
+    return _encode(value)
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -51,25 +73,40 @@ class ToolCall:
 
     tool: str
     args: dict[str, Any]
-    key: str
+    canonical: bytes  # UTF-8 "tool {canonical json of the keyed args}"
     digest: bytes
 
     def __init__(self, tool: str, args: Mapping[str, Any] | None = None, *, key: KeyFunction | None = None):
-        if not isinstance(tool, str) or not tool or any(c.isspace() for c in tool):
-            raise ValueError(f"a tool name must be a non-empty string without whitespace, got {tool!r}")
+        if tool not in _checked_names:
+            _check_name(tool)
         args = {} if args is None else args
         if not isinstance(args, Mapping):
             raise TypeError(f"tool arguments must be a mapping, got {type(args).__name__}")
         plain = dict(args)
         keyed = key(dict(plain)) if key is not None else plain
-        text = f"{tool} {canonical_json(keyed)}"
+        canonical = b"%s %s" % (tool.encode(), canonical_json(keyed))
         object.__setattr__(self, "tool", tool)
         object.__setattr__(self, "args", plain)
-        object.__setattr__(self, "key", text)
-        object.__setattr__(self, "digest", hashlib.blake2b(text.encode(), digest_size=DIGEST_SIZE).digest())
+        object.__setattr__(self, "canonical", canonical)
+        object.__setattr__(self, "digest", hashlib.blake2b(canonical, digest_size=DIGEST_SIZE).digest())
+
+    @property
+    def key(self) -> str:
+        """The call's identity as text: the tool name, a space, and the canonical JSON of its (keyed) args."""
+        return self.canonical.decode()
 
     def __repr__(self) -> str:
         return f"ToolCall({self.key[:120]!r})"
+
+
+_checked_names: set[str] = set()
+
+
+def _check_name(tool: object) -> None:
+    if not isinstance(tool, str) or not tool or any(c.isspace() for c in tool):
+        raise ValueError(f"a tool name must be a non-empty string without whitespace, got {tool!r}")
+    if len(_checked_names) < 10_000:  # remember the few real tool names, not every mistake
+        _checked_names.add(tool)
 
 
 @dataclass(frozen=True, slots=True)

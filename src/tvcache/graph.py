@@ -38,7 +38,7 @@ class Scope:
 
     @property
     def root(self) -> bytes:
-        text = canonical_json([self.namespace, self.task, self.fingerprint]).encode()
+        text = canonical_json([self.namespace, self.task, self.fingerprint])
         return hashlib.blake2b(text, digest_size=DIGEST_SIZE, key=_SEED).digest()
 
     @property
