@@ -145,3 +145,26 @@ def test_a_store_outage_slows_rollouts_down_but_never_misleads_them() -> None:
         assert not boxes.open
 
     asyncio.run(main())
+
+
+def test_a_sandbox_answering_with_a_non_json_output_fails_the_call_and_frees_its_claim() -> None:
+    async def world(state: dict[str, Any], call: tvcache.ToolCall) -> Any:
+        if call.tool == "weird":
+            await asyncio.sleep(0.05)
+            return {1, 2}  # a set has no JSON form
+        return await kv.run(state, call)
+
+    async def main() -> None:
+        boxes = FaultySandboxes(tvcache.PythonSandboxes(make=dict, run=world, fingerprint="weird"))
+        async with tvcache.ToolCache(claim_ttl=30) as cache:
+
+            async def one() -> Any:
+                async with cache.rollout("t", boxes, kv.TOOLS) as r:
+                    return await r.call("weird", {})
+
+            results = await asyncio.wait_for(asyncio.gather(one(), one(), return_exceptions=True), 10)
+            assert all(isinstance(r, TypeError) for r in results)  # the waiter took over, did not hang
+            assert cache.stats()["hits"] == 0
+        assert not boxes.open
+
+    asyncio.run(main())

@@ -177,15 +177,14 @@ class Rollout:
                 await self._quietly(store.release(key, node, call.digest, token))
                 return await self._execute_direct(call, start)
             async with self._holding_claim(node, call.digest, token):
-                outcome, seconds = await self._execute(box, call)
+                outcome, blob, seconds = await self._execute(box, call)
         except BaseException:
             await self._quietly(store.release(key, node, call.digest, token))
             raise
         if outcome.error:
             await self._quietly(store.release(key, node, call.digest, token))
-            return self._failed(call, outcome, start)
+            return self._failed(call, outcome, blob, start)
         kind = self._kind(call, outcome)
-        blob = encode_output(outcome.output)
         if len(blob) > self._ctx.max_output_bytes:
             await self._quietly(store.release(key, node, call.digest, token))
             self._ctx.stats.uncached += 1
@@ -207,11 +206,10 @@ class Rollout:
     async def _execute_direct(self, call: ToolCall, start: float) -> Result:
         """Execute without recording: the rollout is detached, or the store is unreachable."""
         box = await self._sandbox_at_cursor(use_store=False)
-        outcome, _ = await self._execute(box, call)
+        outcome, blob, _ = await self._execute(box, call)
         self._ctx.stats.uncached += 1
         if outcome.error:
-            return self._failed(call, outcome, start)
-        blob = encode_output(outcome.output)
+            return self._failed(call, outcome, blob, start)
         if not self._detached and self._kind(call, outcome) == EDGE:
             # The store is down but the call is deterministic: keep the cursor right, so the rollout
             # can use the cache again once the store is back.
@@ -221,50 +219,50 @@ class Rollout:
 
     async def _execute_uncacheable(self, call: ToolCall, start: float) -> Result:
         box = await self._sandbox_at_cursor(use_store=True)
-        outcome, _ = await self._execute(box, call)
+        outcome, blob, _ = await self._execute(box, call)
         self._ctx.stats.uncached += 1
         if outcome.error:
-            return self._failed(call, outcome, start)
+            return self._failed(call, outcome, blob, start)
         if self._kind(call, outcome) == EDGE:
             # The new state depends on something outside the history (the clock, the network): no later
             # call of this rollout can be answered from, or recorded into, the shared graph.
             self._detach(f"uncacheable tool {call.tool!r} changed the state")
-        return Result(decode_output(encode_output(outcome.output)), False, time.perf_counter() - start, "executed")
+        return Result(decode_output(blob), False, time.perf_counter() - start, "executed")
 
-    def _failed(self, call: ToolCall, outcome: Outcome, start: float) -> Result:
+    def _failed(self, call: ToolCall, outcome: Outcome, blob: bytes, start: float) -> Result:
         """A failed execution (timeout, crash) is never cached. If it may have changed the state, the state
         is not reproducible, so the rollout goes on in its own sandbox exactly as it would without a cache."""
         self._ctx.stats.failures += 1
         if not self._detached and outcome.changed is not False and call.tool not in self._tools.read_only:
             self._detach(f"failed call {call.tool!r} may have changed the state")
-        output = outcome.output
-        with contextlib.suppress(TypeError):
-            output = decode_output(encode_output(output))
-        return Result(output, False, time.perf_counter() - start, "executed", error=True)
+        return Result(decode_output(blob), False, time.perf_counter() - start, "executed", error=True)
 
     def _detach(self, why: str) -> None:
         log.info("rollout of %s detached: %s", self._scope.task, why)
         self._detached = True
         self._ctx.stats.detached += 1
 
-    async def _execute(self, box: Sandbox, call: ToolCall) -> tuple[Outcome, float]:
-        """Run one call in the live sandbox. If the sandbox raises, it is in an unknown state: drop it (the
-        next call rebuilds one at the cursor) and let the exception reach the caller."""
+    async def _execute(self, box: Sandbox, call: ToolCall) -> tuple[Outcome, bytes, float]:
+        """Run one call in the live sandbox; return the outcome, its encoded output and the seconds it took.
+
+        If the sandbox raises or answers with something that is not an Outcome of a str, bytes or JSON
+        output, it is in an unknown state: drop it (the next call rebuilds one at the cursor) and let the
+        error reach the caller."""
         stats = self._ctx.stats
         stats.executions += 1
         t0 = time.perf_counter()
         try:
             outcome = await box.execute(call)
+            seconds = time.perf_counter() - t0
+            if not isinstance(outcome, Outcome):
+                raise SandboxError(f"Sandbox.execute must return an Outcome, got {type(outcome).__name__}")
+            blob = encode_output(outcome.output)
         except BaseException:
             stats.failures += 1
             await self._drop_box()
             raise
-        seconds = time.perf_counter() - t0
         stats.seconds_executing += seconds
-        if not isinstance(outcome, Outcome):
-            await self._drop_box()
-            raise SandboxError(f"Sandbox.execute must return an Outcome, got {type(outcome).__name__}")
-        return outcome, seconds
+        return outcome, blob, seconds
 
     # -- bringing a live sandbox to the cursor's state -------------------------------------------------
 
