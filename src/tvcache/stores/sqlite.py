@@ -50,13 +50,13 @@ class SQLiteStore(EmbeddedEntries):
     def __init__(self, path: str | Path):
         super().__init__()
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
-        except sqlite3.Error as exc:
+        except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open the cache database {str(path)!r}: {exc}") from exc
         self.path = path
         self._entries: dict[bytes, Entry] = {}

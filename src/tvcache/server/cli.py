@@ -1,0 +1,97 @@
+"""`tvcache serve` and `tvcache stats`: argparse wiring for the main CLI (and `python -m tvcache.server`).
+
+Importing this module is cheap: the server (uvicorn, prometheus-client) loads only when a command runs.
+
+commands = parser.add_subparsers(dest="command", required=True)
+server_cli.add_commands(commands)
+...
+if args.command in server_cli.COMMANDS:
+    return server_cli.run_command(args)
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["COMMANDS", "add_commands", "run_command"]
+
+COMMANDS = ("serve", "stats")
+
+
+def add_commands(subparsers: Any) -> None:
+    """Add `serve` and `stats` to an `ArgumentParser.add_subparsers()` object."""
+    serve = subparsers.add_parser("serve", help="run the shared cache server (HTTP API, dashboard, /metrics)")
+    serve.add_argument(
+        "--store",
+        default="memory://",
+        help="memory:// (default), sqlite:///relative.db, sqlite:////absolute.db or redis://host:port/db",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8470, help="port to bind (default 8470)")
+    serve.add_argument(
+        "--token", help="require `Authorization: Bearer TOKEN` on the API (default: the TVCACHE_TOKEN variable)"
+    )
+    serve.add_argument("--max-body-mb", type=float, help="request body limit in MiB (default 32)")
+    serve.add_argument(
+        "--max-wait",
+        type=float,
+        help="longest a wait request is held before the server answers 'ask again' (default 30 s)",
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
+
+    stats = subparsers.add_parser("stats", help="print a running server's stats as a table")
+    stats.add_argument("url", help="the server, e.g. http://127.0.0.1:8470 (or http://:TOKEN@host:port)")
+    stats.add_argument("--token", help="bearer token (default: from the URL or TVCACHE_TOKEN)")
+    stats.add_argument("--json", action="store_true", help="print the raw stats as JSON instead")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        from ..stores.base import StoreError
+        from .run import serve
+
+        if not 0 < args.port < 65536:
+            raise SystemExit(f"--port must be 1..65535, got {args.port}")
+        limits: dict[str, Any] = {}
+        if args.max_body_mb is not None:
+            limits["max_body"] = int(args.max_body_mb * 2**20)
+        if args.max_wait is not None:
+            limits["wait_cap"] = args.max_wait
+        try:
+            serve(
+                None if args.store == "memory://" else args.store,
+                host=args.host,
+                port=args.port,
+                token=args.token,
+                log_level=args.log_level,
+                access_log=args.access_log,
+                **limits,
+            )
+        except (ValueError, OSError, StoreError) as exc:  # a bad store URL, path or limit: no traceback
+            raise SystemExit(f"tvcache serve: {exc}") from None
+        return 0
+    if args.command == "stats":
+        if args.json:
+            import msgspec
+
+            from .report import fetch_stats
+
+            stats, _ = fetch_stats(args.url, args.token)
+            print(msgspec.json.format(msgspec.json.encode(stats), indent=2).decode())
+            return 0
+        from .report import print_stats
+
+        try:
+            print_stats(args.url, args.token)
+        except RuntimeError as exc:
+            raise SystemExit(f"tvcache stats: {exc}") from None
+        return 0
+    raise ValueError(f"not a server command: {args.command!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tvcache.server", description="The tvcache cache server.")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    return run_command(parser.parse_args(argv))

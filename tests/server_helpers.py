@@ -1,0 +1,267 @@
+"""A real `tvcache serve` on loopback in a subprocess, raw HTTP requests, and client processes for the tests.
+
+Run as a script, this file is a client process: `python server_helpers.py MODE URL ...` (see `client_main`).
+Each client process has its own ToolCache("http://...") and its own sandboxes, as rollout workers would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """`python -m tvcache.server serve` in a subprocess; restartable on the same port and store."""
+
+    def __init__(self, tmp: Path, store: str = "memory://", token: str | None = None, *extra: str):
+        self.port = free_port()
+        self.store = store
+        self.token = token
+        self.extra = extra
+        self.log_path = tmp / f"server-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def token_url(self) -> str:
+        return f"http://:{self.token}@127.0.0.1:{self.port}" if self.token else self.url
+
+    def start(self) -> Server:
+        args = [sys.executable, "-m", "tvcache.server", "serve", "--store", self.store, "--port", str(self.port)]
+        if self.token:
+            args += ["--token", self.token]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([*args, *self.extra], stdout=log, stderr=subprocess.STDOUT)
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"server did not become healthy in {timeout} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def request(
+    server: Server,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    auth: bool = True,
+) -> tuple[int, Any]:
+    """One raw HTTP request. `body` is sent as is if bytes, else as JSON. Returns (status, decoded JSON or text)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    sent = dict(headers or {})
+    if auth and server.token and "Authorization" not in sent:
+        sent["Authorization"] = f"Bearer {server.token}"
+    data = None
+    if body is not None:
+        data = body if isinstance(body, bytes) else msgspec.json.encode(body)
+        sent.setdefault("Content-Type", "application/json")
+    try:
+        conn.request(method, path, body=data, headers=sent)
+        response = conn.getresponse()
+        raw = response.read()
+    finally:
+        conn.close()
+    kind = response.getheader("content-type") or ""
+    return response.status, json.loads(raw) if kind.startswith("application/json") else raw.decode(errors="replace")
+
+
+def stats(server: Server) -> dict[str, Any]:
+    status, body = request(server, "GET", "/v1/stats")
+    assert status == 200, body
+    return dict(body)
+
+
+def spawn_client(*args: str, start_at: float = 0.0) -> subprocess.Popen[str]:
+    """A client process (see `client_main`); with `start_at` (a time.time()), its work begins then."""
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "server_helpers.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=HERE,
+        env={**os.environ, "START_AT": str(start_at)},
+    )
+
+
+def finish_client(proc: subprocess.Popen[str], timeout: float = 60.0) -> Any:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"client failed ({proc.returncode}):\n{err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# -- client processes --------------------------------------------------------------------------------------
+
+
+async def _oracle(url: str, seeds: list[int]) -> dict[str, Any]:
+    import kv
+    import tvcache
+    from test_oracle import check_against_oracle, kv_plan
+
+    wrong = 0
+    async with tvcache.ToolCache(url, namespace="oracle") as cache:
+        boxes = kv.sandboxes()
+        for seed in seeds:
+            wrong += await check_against_oracle(cache, boxes, kv_plan(seed, 6, 8), kv.TOOLS)
+        return {"wrong": wrong, "stats": cache.stats()}
+
+
+FLIGHT_CALLS: list[tuple[str, dict[str, Any]]] = [
+    ("write", {"key": "a", "value": "x", "delay": 0.05}),
+    ("read", {"key": "a", "delay": 0.05}),
+    ("append", {"key": "b", "value": "y", "delay": 0.05}),
+    ("list", {"delay": 0.05}),
+    ("delete", {"key": "a", "delay": 0.05}),
+    ("read", {"key": "a", "delay": 0.05}),
+]
+
+
+async def _flight(url: str, rollouts: int) -> dict[str, Any]:
+    import kv
+    import tvcache
+
+    async with tvcache.ToolCache(url, namespace="flight") as cache:
+        boxes = kv.sandboxes()
+
+        async def one() -> list[Any]:
+            async with cache.rollout("t", boxes, kv.TOOLS) as r:
+                return [(await r.call(tool, args)).output for tool, args in FLIGHT_CALLS]
+
+        outputs = await asyncio.gather(*(one() for _ in range(rollouts)))
+        return {"outputs": outputs, "stats": cache.stats()}
+
+
+async def _hang(url: str, ttl: float) -> None:
+    """Claim a call and never finish it: the test kills this process mid-call."""
+    import kv
+    import tvcache
+
+    async with (
+        tvcache.ToolCache(url, namespace="hang", claim_ttl=ttl) as cache,
+        cache.rollout("t", kv.sandboxes(), kv.TOOLS) as r,
+    ):
+        await r.call("write", {"key": "a", "value": "x", "delay": 3600})
+
+
+async def _slow(url: str, seconds: float) -> dict[str, Any]:
+    """Execute one call that takes `seconds`, with a claim that outlives it by far."""
+    import kv
+    import tvcache
+
+    async with tvcache.ToolCache(url, namespace="slow", claim_ttl=60) as cache:
+        async with cache.rollout("t", kv.sandboxes(), kv.TOOLS) as r:
+            result = await r.call("write", {"key": "a", "value": "x", "delay": seconds})
+        return {"source": result.source, "recorded_at": time.time()}
+
+
+async def _writer(url: str, workers: int) -> None:
+    """Record entries as fast as the server takes them, printing `ack I` for each one acknowledged, until
+    killed. Failures (the server is down) print `err` and go on, as a rollout would."""
+    from tvcache.graph import Entry
+    from tvcache.stores import StoreError
+    from tvcache.stores.http import HTTPStore
+
+    store = HTTPStore(url)
+    counter = iter(range(10**9))
+
+    async def work() -> None:
+        for i in counter:
+            try:
+                await store.record(
+                    WRITER_SCOPE, WRITER_NODE, i.to_bytes(16, "big"), Entry("edge", b"%d" % i, 0.1), None
+                )
+                print("ack", i, flush=True)
+            except StoreError:
+                print("err", i, flush=True)
+                await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(work() for _ in range(workers)))
+
+
+WRITER_SCOPE = "ab" * 16
+WRITER_NODE = b"n" * 16
+
+
+def client_main(argv: list[str]) -> int:
+    mode, url, *rest = argv
+    start_at = float(os.environ.get("START_AT", "0"))
+    if start_at:  # line the processes up, so their rollouts really run at the same time
+        time.sleep(max(0.0, start_at - time.time()))
+    result: Any = None
+    if mode == "oracle":
+        result = asyncio.run(_oracle(url, [int(s) for s in rest]))
+    elif mode == "flight":
+        result = asyncio.run(_flight(url, int(rest[0])))
+    elif mode == "hang":
+        asyncio.run(_hang(url, float(rest[0])))
+    elif mode == "slow":
+        result = asyncio.run(_slow(url, float(rest[0])))
+    elif mode == "writer":
+        asyncio.run(_writer(url, int(rest[0])))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(client_main(sys.argv[1:]))

@@ -1,0 +1,470 @@
+"""The shared cache server, tested as it runs: a real `tvcache serve` on loopback in a subprocess, clients in
+other processes. Correctness is the core's oracle; single flight, claim expiry, durability under SIGKILL and
+riding through a restart are checked across processes; auth, limits and malformed input at the HTTP level,
+and the whole API is fuzzed with schemathesis from its OpenAPI document."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kv
+import test_stores
+import tvcache
+from server_helpers import (
+    FLIGHT_CALLS,
+    WRITER_NODE,
+    WRITER_SCOPE,
+    Server,
+    finish_client,
+    request,
+    spawn_client,
+    stats,
+)
+from tvcache.graph import Entry, Scope
+from tvcache.stores import Claim, StoreError
+from tvcache.stores.http import HTTPStore
+
+TOKEN = "correct-horse-battery-staple"
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    with Server(tmp_path) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server for the many small checks that change nothing."""
+    with Server(tmp_path_factory.mktemp("shared")) as s:
+        yield s
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def spawn_all(args: list[list[str]]) -> list[Any]:
+    """Client processes that begin their rollouts at the same moment (once all have started up)."""
+    start_at = time.time() + 1.5 + 0.2 * len(args)
+    procs = [spawn_client(*a, start_at=start_at) for a in args]
+    return [finish_client(p) for p in procs]
+
+
+# -- the core's checks, across processes -------------------------------------------------------------------
+
+
+def test_oracle_holds_with_four_client_processes(server: Server) -> None:
+    seeds = [str(s) for s in range(6)]
+    half = len(seeds) // 2
+    # Two processes run the same plans in the same order (the same calls at the same time), two start halfway.
+    orders = [seeds, seeds, seeds[half:] + seeds[:half], seeds[half:] + seeds[:half]]
+    results = spawn_all([["oracle", server.url, *order] for order in orders])
+    assert [r["wrong"] for r in results] == [0, 0, 0, 0]
+    assert all(r["stats"]["store_errors"] == 0 for r in results)
+    hits = sum(r["stats"]["hits"] for r in results)
+    executions = sum(r["stats"]["executions"] for r in results)
+    assert hits > executions  # the processes really shared one graph
+    server_stats = stats(server)["totals"]
+    assert server_stats["hits"] + server_stats["waited_hits"] == hits
+
+
+def test_eight_rollouts_in_four_processes_execute_each_distinct_call_once(server: Server) -> None:
+    results = spawn_all([["flight", server.url, "2"] for _ in range(4)])
+    outputs = [o for r in results for o in r["outputs"]]
+    expected = asyncio.run(kv.execute_uncached(kv.sandboxes(), FLIGHT_CALLS, kv.TOOLS))
+    assert all(o == expected for o in outputs)
+    total = {k: sum(r["stats"][k] for r in results) for k in ("executions", "hits", "waits", "store_errors")}
+    assert total["executions"] == len(FLIGHT_CALLS)
+    assert total["hits"] == 7 * len(FLIGHT_CALLS)
+    assert total["waits"] > 0
+    assert total["store_errors"] == 0
+
+
+def test_a_waiter_in_another_process_wakes_when_the_entry_is_recorded(server: Server) -> None:
+    slow = spawn_client("slow", server.url, "1.0")  # claims with a 60 s ttl, records after 1 s
+
+    while stats(server)["totals"]["claims"] == 0:  # the slow process holds the claim
+        assert slow.poll() is None, slow.stderr.read() if slow.stderr else ""
+        time.sleep(0.02)
+
+    async def main() -> tuple[tvcache.Result, float, dict[str, float]]:
+        async with tvcache.ToolCache(server.url, namespace="slow", claim_ttl=60) as cache:
+            async with cache.rollout("t", kv.sandboxes(), kv.TOOLS) as r:
+                result = await r.call("write", {"key": "a", "value": "x"})
+            return result, time.time(), cache.stats()
+
+    result, woke_at, cache_stats = asyncio.run(main())
+    recorded_at = finish_client(slow)["recorded_at"]
+    assert (result.output, result.source) == ("ok", "waited")
+    assert cache_stats["executions"] == 0
+    # Woken by the record, not by the claim's 60 s expiry (the writer prints after its record returns).
+    assert woke_at - recorded_at < 5.0
+
+
+def test_a_claim_whose_owner_died_expires_and_is_taken_over(server: Server) -> None:
+    hang = spawn_client("hang", server.url, "1.0")
+    try:
+        deadline = time.monotonic() + 30
+        while stats(server)["totals"]["claims"] == 0:
+            assert hang.poll() is None and time.monotonic() < deadline, hang.stderr.read() if hang.stderr else ""
+            time.sleep(0.02)
+    finally:
+        hang.send_signal(signal.SIGKILL)
+        hang.wait()
+
+    async def main() -> tuple[tvcache.Result, dict[str, float]]:
+        async with tvcache.ToolCache(server.url, namespace="hang", claim_ttl=1.0) as cache:
+            async with cache.rollout("t", kv.sandboxes(), kv.TOOLS) as r:
+                # Bounded so a claim that never expires fails the test instead of hanging it.
+                result = await asyncio.wait_for(r.call("write", {"key": "a", "value": "x"}), 30)
+            return result, cache.stats()
+
+    result, cache_stats = asyncio.run(main())
+    assert (result.output, result.source) == ("ok", "executed")
+    assert cache_stats["waits"] >= 1 and cache_stats["executions"] == 1
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        test_stores.test_first_writer_wins,
+        test_stores.test_claims_single_flight_and_expiry,
+        test_stores.test_leases_find_the_deepest_snapshot_and_protect_it,
+        test_stores.test_export_names_tasks_and_counts_hits,
+    ],
+    ids=lambda check: check.__name__.removeprefix("test_"),
+)
+def test_http_store_passes_the_checks_every_store_passes(server: Server, check: Any) -> None:
+    store = HTTPStore(server.url)
+    check(store)
+    asyncio.run(store.close())
+
+
+# -- durability and restarts -------------------------------------------------------------------------------
+
+
+def test_sigkill_under_load_keeps_every_acknowledged_entry(tmp_path: Path) -> None:
+    server = Server(tmp_path, f"sqlite:///{tmp_path}/cache.db").start()
+    writer = spawn_client("writer", server.url, "8")
+    acked: set[int] = set()
+    errors = 0
+    try:
+        assert writer.stdout is not None
+        for line in writer.stdout:  # under load: eight concurrent writers
+            kind, i = line.split()
+            if kind == "ack":
+                acked.add(int(i))
+            if len(acked) >= 400:
+                break
+        server.kill9()
+        for line in writer.stdout:  # the writer rides on through the outage
+            kind, i = line.split()
+            errors += kind == "err"
+            acked.update([int(i)] if kind == "ack" else [])
+            if errors >= 20:
+                break
+        server.start()
+        after = len(acked)
+        for line in writer.stdout:  # and is served again once the server is back
+            kind, i = line.split()
+            acked.update([int(i)] if kind == "ack" else [])
+            if len(acked) >= after + 200:
+                break
+    finally:
+        writer.kill()
+        writer.wait()
+    assert errors >= 20 and len(acked) >= after + 200
+
+    async def missing() -> list[int]:
+        store = HTTPStore(server.url)
+        lost = []
+        for i in sorted(acked):
+            found = await store.lookup(WRITER_SCOPE, WRITER_NODE, i.to_bytes(16, "big"))
+            if not (isinstance(found, Entry) and found.output == b"%d" % i):
+                lost.append(i)
+        await store.close()
+        return lost
+
+    try:
+        assert asyncio.run(missing()) == []
+    finally:
+        server.stop()
+
+
+def test_rollouts_ride_through_a_server_restart(tmp_path: Path) -> None:
+    server = Server(tmp_path, f"sqlite:///{tmp_path}/cache.db").start()
+    calls = [("write", {"key": "a", "value": "x"}), ("append", {"key": "a", "value": "y"}), ("read", {"key": "a"})]
+    expected = asyncio.run(kv.execute_uncached(kv.sandboxes(), calls, kv.TOOLS))
+
+    async def rollout(cache: tvcache.ToolCache, boxes: Any) -> list[Any]:
+        async with cache.rollout("t", boxes, kv.TOOLS) as r:
+            return [(await r.call(t, a)).output for t, a in calls]
+
+    async def main() -> list[dict[str, float]]:
+        snapshots = []
+        async with tvcache.ToolCache(server.url) as cache:
+            boxes = kv.sandboxes()
+            assert await rollout(cache, boxes) == expected
+            snapshots.append(cache.stats())
+            server.kill9()
+            assert await rollout(cache, boxes) == expected  # executed directly, still right
+            snapshots.append(cache.stats())
+            server.start()
+            assert await rollout(cache, boxes) == expected  # the cache again, with what it held before
+            snapshots.append(cache.stats())
+        return snapshots
+
+    try:
+        before, down, back = asyncio.run(main())
+    finally:
+        server.stop()
+    assert before["store_errors"] == 0 and before["executions"] == 3
+    assert down["store_errors"] > 0 and down["uncached"] >= 3 and down["hits"] == before["hits"]
+    assert back["store_errors"] == down["store_errors"]
+    assert back["hits"] - down["hits"] == 3
+
+
+def test_a_dead_server_fails_fast_with_store_error(tmp_path: Path) -> None:
+    async def main() -> None:
+        store = HTTPStore(f"http://127.0.0.1:{Server(tmp_path).port}")  # nobody listens there
+        with pytest.raises(StoreError, match="failed on lookup"):
+            await store.lookup("ab" * 16, b"n" * 16, b"d" * 16)
+        await store.close()
+
+    asyncio.run(main())
+
+
+# -- hardening ---------------------------------------------------------------------------------------------
+
+SCOPE = Scope("ns", "task", "fp")
+KEY, ROOT, DIGEST = SCOPE.key, SCOPE.root, b"d" * 16
+LOOKUP = {"scope": KEY, "node": b64(ROOT), "digest": b64(DIGEST), "claim": 5.0}
+
+
+def test_auth_needs_the_token_when_one_is_set(tmp_path: Path) -> None:
+    with Server(tmp_path, "memory://", TOKEN) as server:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
+            status, body = request(server, "POST", "/v1/lookup", LOOKUP, headers=headers, auth=bool(headers))
+            assert status == 401 and "token" in body["error"]
+        assert request(server, "GET", "/metrics", auth=False)[0] == 401
+        assert request(server, "GET", "/metrics")[0] == 200
+        for public in ("/healthz", "/", "/openapi.json", "/static/dashboard.js"):  # no data in these
+            assert request(server, "GET", public, auth=False)[0] == 200
+        assert stats(server)["totals"]["lookups"] == 0  # refused requests did nothing
+
+        async def main() -> None:
+            assert isinstance(await HTTPStore(server.token_url).lookup(KEY, ROOT, DIGEST, 5.0), Claim)
+            os.environ["TVCACHE_TOKEN"] = TOKEN
+            try:
+                assert await HTTPStore(server.url).lookup(KEY, ROOT, DIGEST) is None
+            finally:
+                del os.environ["TVCACHE_TOKEN"]
+            with pytest.raises(StoreError, match="401"):
+                await HTTPStore(server.url, token="wrong").lookup(KEY, ROOT, DIGEST)
+            # A rollout with the wrong token is not stopped: it executes without the cache.
+            async with tvcache.ToolCache(server.url) as cache, cache.rollout("t", kv.sandboxes(), kv.TOOLS) as r:
+                assert (await r.call("write", {"key": "a", "value": "x"})).output == "ok"
+                assert cache.stats()["store_errors"] > 0
+
+        asyncio.run(main())
+
+
+def test_oversized_requests_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    with Server(tmp_path, "memory://", None, "--max-body-mb", str(8192 / 2**20)) as server:
+        record = {"scope": KEY, "node": b64(ROOT), "digest": b64(DIGEST)}
+        big = dict(record, entry={"kind": "edge", "output": b64(b"x" * 9000), "seconds": 1.0})
+        status, body = request(server, "POST", "/v1/record", big)
+        assert status == 413 and "limit" in body["error"]
+        # The same without a Content-Length (chunked): refused while reading.
+        chunked = _chunked(server, "/v1/record", big)
+        assert chunked == 413
+        small = dict(record, entry={"kind": "edge", "output": b64(b"x" * 3000), "seconds": 1.0})
+        assert request(server, "POST", "/v1/lookup", LOOKUP | {"claim": 0})[1] == {}
+        assert request(server, "POST", "/v1/record", small)[0] == 200
+        assert request(server, "POST", "/v1/lookup", LOOKUP)[1]["entry"]["output"] == b64(b"x" * 3000)
+
+
+def _chunked(server: Server, path: str, body: Any) -> int:
+    import http.client
+
+    import msgspec
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    data = msgspec.json.encode(body)
+    conn.request(
+        "POST",
+        path,
+        body=iter([data[i : i + 1000] for i in range(0, len(data), 1000)]),
+        headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+        encode_chunked=True,
+    )
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+MALFORMED: list[tuple[str, str, Any, int, str]] = [
+    ("POST", "/v1/lookup", b"{not json", 400, "malformed"),
+    ("POST", "/v1/lookup", b"", 400, "invalid lookup"),
+    ("POST", "/v1/lookup", [1, 2], 400, "Expected `object`"),
+    ("POST", "/v1/lookup", LOOKUP | {"scope": "../../etc/passwd"}, 400, "$.scope"),
+    ("POST", "/v1/lookup", LOOKUP | {"node": "short"}, 400, "$.node"),
+    ("POST", "/v1/lookup", LOOKUP | {"node": b64(b"x" * 17)}, 400, "$.node"),
+    ("POST", "/v1/lookup", LOOKUP | {"claim": "5"}, 400, "$.claim"),
+    ("POST", "/v1/lookup", LOOKUP | {"claim": -1}, 400, "$.claim"),
+    ("POST", "/v1/lookup", LOOKUP | {"claim": 1e999}, 400, "$.claim"),
+    ("POST", "/v1/lookup", LOOKUP | {"extra": 1}, 400, "unknown field"),
+    ("POST", "/v1/lookup", {k: v for k, v in LOOKUP.items() if k != "digest"}, 400, "missing required field"),
+    ("POST", "/v1/wait", {k: v for k, v in LOOKUP.items() if k != "claim"} | {"timeout": 1e6}, 400, "$.timeout"),
+    (
+        "POST",
+        "/v1/record",
+        {"scope": KEY, "node": b64(ROOT), "digest": b64(DIGEST), "entry": ["edge", "", 1]},
+        400,
+        "$.entry",
+    ),
+    (
+        "POST",
+        "/v1/record",
+        {
+            "scope": KEY,
+            "node": b64(ROOT),
+            "digest": b64(DIGEST),
+            "entry": {"kind": "bogus", "output": "", "seconds": 1},
+        },
+        400,
+        "$.entry.kind",
+    ),
+    (
+        "POST",
+        "/v1/record",
+        {
+            "scope": KEY,
+            "node": b64(ROOT),
+            "digest": b64(DIGEST),
+            "entry": {"kind": "edge", "output": "", "seconds": -1},
+        },
+        400,
+        "$.entry.seconds",
+    ),
+    (
+        "POST",
+        "/v1/add_snapshot",
+        {"scope": KEY, "origin": "o", "path": [], "snapshot_id": "s", "budget": 1},
+        400,
+        "$.path",
+    ),
+    (
+        "POST",
+        "/v1/add_snapshot",
+        {"scope": KEY, "origin": "o", "path": [b64(ROOT)], "snapshot_id": "s", "budget": 1.5},
+        400,
+        "$.budget",
+    ),
+    ("POST", "/v1/register", {"key": "/tmp/x", "namespace": "n", "task": "t", "fingerprint": "f"}, 400, "$.key"),
+    ("POST", "/v1/export", {"scope": KEY, "limit": 10**9}, 400, "$.limit"),
+    ("GET", "/v1/lookup", None, 405, "takes POST"),
+    ("POST", "/v1/tasks", {}, 405, "takes GET"),
+    ("GET", "/v1/nope", None, 404, "no such path"),
+    ("GET", "/static/../../etc/passwd", None, 404, "no such path"),
+    ("GET", "/static/%2e%2e/app.py", None, 404, "no such path"),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "message"), MALFORMED, ids=[f"{m[1]}-{m[4]}" for m in MALFORMED]
+)
+def test_malformed_requests_get_a_4xx_with_a_message(
+    shared: Server, method: str, path: str, body: Any, status: int, message: str
+) -> None:
+    got, reply = request(shared, method, path, body)
+    assert got == status
+    assert message in reply["error"]
+
+
+def test_malformed_requests_change_nothing(server: Server) -> None:
+    for method, path, body, _, _ in MALFORMED:
+        request(server, method, path, body)
+    got, reply = request(server, "POST", "/v1/lookup", LOOKUP, headers={"Content-Type": "text/plain"})
+    assert got == 415 and "JSON" in reply["error"]
+    totals = stats(server)["totals"]
+    assert (totals["lookups"], totals["records"], totals["waits"]) == (0, 0, 0)
+    assert totals["errors"] == len(MALFORMED) + 1
+    assert request(server, "GET", "/v1/tasks")[1] == []
+    assert request(server, "POST", "/v1/export", {"scope": KEY})[1]["entries"] == []
+    assert request(server, "POST", "/v1/snapshots", {"scope": KEY})[1] == []
+
+
+def test_metrics_health_and_openapi(server: Server) -> None:
+    async def main() -> None:
+        async with tvcache.ToolCache(server.url) as cache:
+            for _ in range(2):
+                async with cache.rollout("t", kv.sandboxes(), kv.TOOLS) as r:
+                    await r.call("write", {"key": "a", "value": "x"})
+
+    asyncio.run(main())
+    status, text = request(server, "GET", "/metrics")
+    assert status == 200
+    assert "tvcache_lookups_total 2.0" in text and "tvcache_hits_total 1.0" in text
+    assert 'tvcache_request_duration_seconds_count{path="lookup"} 2.0' in text
+    assert request(server, "GET", "/healthz") == (200, {"status": "ok"})
+    status, doc = request(server, "GET", "/openapi.json")
+    assert status == 200 and doc["openapi"].startswith("3.1")
+    assert {"/v1/lookup", "/v1/wait", "/v1/record", "/v1/export", "/v1/stats", "/metrics"} <= set(doc["paths"])
+    # Structured logs: every line the server wrote is a JSON object.
+    import json
+
+    lines = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    assert any(line["msg"] == "serving" and line["store"] == "memory://" for line in lines)
+
+
+def test_stats_cli_prints_a_table(server: Server) -> None:
+    request(server, "POST", "/v1/lookup", LOOKUP)
+    out = subprocess.run(
+        [sys.executable, "-m", "tvcache.server", "stats", server.url], capture_output=True, text=True, check=True
+    ).stdout
+    assert "lookups" in out and "hit rate" in out and "memory://" in out
+
+
+def test_schemathesis_finds_no_failure_in_the_api(tmp_path: Path) -> None:
+    """Fuzz every operation from the OpenAPI document: no 5xx, every status documented, every reply valid
+    against its schema, invalid input rejected, valid input accepted, auth enforced."""
+    # Short waits, so fuzzed waits on fuzzed claims return at once rather than after their timeouts.
+    with Server(tmp_path, "memory://", TOKEN, "--max-wait", "0.2") as server:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "schemathesis.cli",
+                "run",
+                f"{server.url}/openapi.json",
+                "--checks",
+                "all",
+                "--max-examples",
+                "5",
+                "--phases",
+                "coverage,fuzzing",
+                "--request-timeout",
+                "10",
+                "-H",
+                f"Authorization: Bearer {TOKEN}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=tmp_path,  # schemathesis keeps its state in ./.schemathesis
+        )
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+        assert not [line for line in server.log().splitlines() if '"status": 5' in line]
