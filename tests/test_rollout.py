@@ -295,6 +295,23 @@ def test_prefetch_warms_fresh_sandboxes_and_forks_of_snapshots() -> None:
     run(main())
 
 
+def test_the_warm_pool_is_bounded_and_closes_the_oldest_unused() -> None:
+    async def main() -> None:
+        boxes = FaultySandboxes(kv.sandboxes())
+        async with tvcache.ToolCache(warm_limit=3) as cache:
+            assert await (await cache.prefetch(["t"], boxes, rollouts=2)) == 2
+            assert await (await cache.prefetch(["u"], boxes, rollouts=2)) == 2
+            assert boxes.created == 4 and len(boxes.open) == 3  # one of t's was closed
+            async with cache.rollout("t", boxes, kv.TOOLS) as r:
+                await r.call("read", {"key": "a"})  # t still has a warm one
+            async with cache.rollout("u", boxes, kv.TOOLS) as r:
+                await r.call("read", {"key": "a"})
+            assert cache.stats()["warm"] == 2 and boxes.created == 4
+        assert not boxes.open
+
+    run(main())
+
+
 def test_scopes_separate_tasks_and_fingerprints() -> None:
     async def main() -> None:
         async with tvcache.ToolCache() as cache:

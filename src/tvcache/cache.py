@@ -31,7 +31,8 @@ class ToolCache:
     `namespace` separates unrelated runs sharing a store. `snapshot_budget` bounds the snapshots kept per
     task. `claim_ttl` is how long a claim on a miss lasts without being refreshed (a claimant that died
     is taken over after it); `lease_ttl` the same for a lease on a snapshot being restored. Outputs larger
-    than `max_output_bytes` are returned but not cached.
+    than `max_output_bytes` are returned but not cached. `prefetch` keeps at most `warm_limit` warm sandboxes,
+    closing the oldest unused ones beyond it.
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class ToolCache:
         lease_ttl: float = 600.0,
         max_output_bytes: int = 16 << 20,
         prefetch_concurrency: int = 4,
+        warm_limit: int = 64,
     ):
         if store is not None and url is not None:
             raise ValueError("pass a store URL or a Store object, not both")
@@ -54,7 +56,7 @@ class ToolCache:
         self._ctx = Context(
             store=store if store is not None else open_store(url),
             stats=Stats(),
-            warm=WarmPool(),
+            warm=WarmPool(warm_limit),
             factories={},
             claim_ttl=claim_ttl,
             lease_ttl=lease_ttl,
@@ -123,7 +125,7 @@ class ToolCache:
         try:
             async with self._prefetch_limit:
                 box = await sandboxes.create()
-            self._ctx.warm.put_fresh(sandboxes, key, box)
+            await self._ctx.warm.put_fresh(sandboxes, key, box)
             return True
         finally:
             self._pending[(id(sandboxes), key)] -= 1
@@ -139,7 +141,7 @@ class ToolCache:
                     box: Sandbox = await sandboxes.restore(snapshot_id)
                 finally:
                     await store.unlease(key, lease.token)
-            self._ctx.warm.put_fork(sandboxes, snapshot_id, box)
+            await self._ctx.warm.put_fork(sandboxes, snapshot_id, box)
             return True
         finally:
             self._pending[(id(sandboxes), snapshot_id)] -= 1
