@@ -1,8 +1,15 @@
-"""The `tvcache replay` command, and the `tvcache bench quick|synthetic` handlers.
+"""The `tvcache replay` command, and the `tvcache bench quick|synthetic|sql|swe|airline` handlers.
 
 Wiring (in `tvcache.cli`): `replay_cli.add_commands(subparsers)` adds `replay`; `replay_cli.run_command(args)`
-runs it and returns the exit code. `replay_cli.add_bench_options(bench_parser)` adds `--charts DIR` to
-`tvcache bench`, and `replay_cli.run_bench(args)` runs `quick` or `synthetic` and returns their JSON summary.
+runs it and returns the exit code. `replay_cli.add_bench_options(bench_parser)` adds the options of
+`tvcache bench` (`--charts DIR`, `--tasks N`, `--epochs E`, `--latency S`, ...), and `replay_cli.run_bench(args)`
+runs `quick`, `synthetic`, `sql`, `swe` or `airline` and returns their JSON summary.
+
+    tvcache bench sql [--tasks N] [--epochs E] [--rollouts R] [--seed S] [--no-tpch] [common]
+    tvcache bench swe [--tasks N] [--epochs E] [--timeout S] [common]
+    tvcache bench airline [--tasks N] [--epochs E] [--latency S] [common]
+        common: [--batch B] [--concurrency C] [--policies LIST] [--store URL] [--no-progress]
+                [--json OUT] [--charts DIR]
 
     tvcache replay TRACES --sandbox workspace|sqlite|python:module:factory --base DIR [--setup CMD]
         [--tasks N] [--epochs E] [--timeout S] [--concurrency C] [--store URL]
@@ -14,9 +21,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Any
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from .policies import POLICIES
+
+if TYPE_CHECKING:
+    from .replay import ReplayOptions, ReplayResult
+    from .workload import Workload
 
 __all__ = ["add_bench_options", "add_commands", "run_bench", "run_command"]
 
@@ -119,23 +132,170 @@ async def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+# Per workload: the `tvcache bench` options it takes (besides --json and --charts) and their defaults.
+BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "quick": {},
+    "synthetic": {},
+    "sql": {"tasks": 40, "epochs": 1, "rollouts": 8, "seed": 0, "no_tpch": False},
+    "swe": {"tasks": None, "epochs": 1, "timeout": 60.0, "no_warmup": False},
+    "airline": {"tasks": None, "epochs": 1, "latency": 0.05},
+}
+_REPLAY_OPTIONS = {"batch": 4, "concurrency": 8, "policies": list(POLICIES), "store": None, "no_progress": False}
+for _options in ("sql", "swe", "airline"):
+    BENCH_DEFAULTS[_options].update(_REPLAY_OPTIONS)
+
+
 def add_bench_options(parser: argparse.ArgumentParser) -> None:
-    """Options `tvcache bench quick|synthetic` take besides `--json`."""
-    parser.add_argument("--charts", metavar="DIR", help="(quick, synthetic) write PNG charts into DIR")
+    """Options `tvcache bench` takes besides `--json`; each workload says which apply (`BENCH_DEFAULTS`)."""
+    parser.add_argument("--charts", metavar="DIR", help="write PNG charts into DIR")
+    parser.add_argument(
+        "--tasks", type=_positive_int, metavar="N", help="(sql, swe, airline) the first N tasks (sql default 40)"
+    )
+    parser.add_argument(
+        "--epochs", type=_positive_int, metavar="E", help="(sql, swe, airline) replay the rollouts E times (default 1)"
+    )
+    parser.add_argument("--rollouts", type=_positive_int, metavar="R", help="(sql) rollouts per task (default 8)")
+    parser.add_argument("--seed", type=int, metavar="S", help="(sql) seed of the exploration policy (default 0)")
+    parser.add_argument("--no-tpch", action="store_true", default=None, help="(sql) leave out the TPC-H tasks")
+    parser.add_argument(
+        "--latency",
+        type=_non_negative_float,
+        metavar="S",
+        help="(airline) simulated service latency per tool execution, seconds (default 0.05; 0: none)",
+    )
+    parser.add_argument(
+        "--timeout", type=_positive_float, metavar="S", help="(swe) seconds a command may run (default 60)"
+    )
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        default=None,
+        help="(swe) skip the untimed uncached pass that runs before the measured ones",
+    )
+    parser.add_argument(
+        "--batch", type=_positive_int, metavar="B", help="(sql, swe, airline) tasks per training step (default 4)"
+    )
+    parser.add_argument(
+        "--concurrency", type=_positive_int, metavar="C", help="(sql, swe, airline) rollouts in flight (default 8)"
+    )
+    parser.add_argument(
+        "--policies",
+        type=_policies,
+        metavar="LIST",
+        help=f"(sql, swe, airline) comma-separated, from {','.join(POLICIES)} (default: all)",
+    )
+    parser.add_argument("--store", metavar="URL", help="(sql, swe, airline) tvcache's store (default: in memory)")
+    parser.add_argument("--no-progress", action="store_true", default=None, help="(sql, swe, airline) no progress bars")
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Run `tvcache bench quick` or `tvcache bench synthetic`; returns the figures for `--json`."""
+    """Run `tvcache bench quick|synthetic|sql|swe|airline`; prints the report, returns the figures for
+    `--json`. An option that does not apply to the workload is an error (exit status 2)."""
+    workload = args.workload
+    if workload not in BENCH_DEFAULTS:
+        raise ValueError(f"run_bench handles {', '.join(BENCH_DEFAULTS)}, not {workload!r}")
+    o = _bench_options(args, workload)
     charts = getattr(args, "charts", None)
-    if args.workload == "quick":
+    if workload == "quick":
         from . import quick
 
         return quick.run(charts=charts)
-    if args.workload == "synthetic":
+    if workload == "synthetic":
         from . import synthetic
 
         return synthetic.run(charts=charts)
-    raise ValueError(f"run_bench handles quick and synthetic, not {args.workload!r}")
+    if workload == "airline":
+        from . import airline_bench
+
+        return airline_bench.run(
+            tasks=o["tasks"],
+            epochs=o["epochs"],
+            latency=o["latency"],
+            batch=o["batch"],
+            concurrency=o["concurrency"],
+            policies=o["policies"],
+            store=o["store"],
+            charts=charts,
+            progress=not o["no_progress"],
+        )
+    from .replay import ReplayOptions
+
+    options = ReplayOptions(
+        batch=o["batch"], epochs=o["epochs"], concurrency=o["concurrency"], progress=not o["no_progress"]
+    )
+    if workload == "sql":
+        from . import sql
+
+        def build_sql() -> Workload:
+            return sql.build_workload(tasks=o["tasks"], rollouts=o["rollouts"], seed=o["seed"], tpch=not o["no_tpch"])
+
+        return _replay_bench(build_sql, options, o, charts, describe=sql.describe)
+    from . import swe
+
+    def build_swe() -> Workload:
+        return swe.build_workload(o["tasks"], timeout=o["timeout"], log=_say)
+
+    # A call's own time limit is the sandbox's (`--timeout`, the same for every policy); the replay's limit
+    # only guards against a hang, since it also counts the restores and replays a cached policy does for it.
+    options = replace(options, timeout=max(600.0, 10 * o["timeout"]))
+    # The first pass of workspace sandboxes in a process ran 12-14% slower than identical later ones here
+    # (measured with three uncached passes in a row), which would count as speedup for every cached policy:
+    # an untimed uncached pass first puts the baseline on the same footing.
+    return _replay_bench(build_swe, options, o, charts, describe=swe.describe, warmup=not o["no_warmup"])
+
+
+def _bench_options(args: argparse.Namespace, workload: str) -> dict[str, Any]:
+    """The workload's options: those given, else its defaults; any other option given is an error."""
+    defaults = BENCH_DEFAULTS[workload]
+    every = {name for table in BENCH_DEFAULTS.values() for name in table}
+    given = {name for name in every if getattr(args, name, None) is not None}
+    stray = sorted(given - set(defaults))
+    if stray:
+        flags = ", ".join("--" + name.replace("_", "-") for name in stray)
+        verb = "does" if len(stray) == 1 else "do"
+        print(f"tvcache bench {workload}: error: {flags} {verb} not apply to {workload}", file=sys.stderr)
+        raise SystemExit(2)
+    return {name: getattr(args, name) if name in given else default for name, default in defaults.items()}
+
+
+def _replay_bench(
+    build: Callable[[], Workload],
+    options: ReplayOptions,
+    o: dict[str, Any],
+    charts: str | None,
+    describe: Callable[[], str],
+    warmup: bool = False,
+) -> dict[str, Any]:
+    from .policies import NoCachePolicy
+    from .replay import replay, replay_policies
+    from .report import print_table, wide_console, write_charts
+
+    class WarmUp(NoCachePolicy):
+        name = "warm-up"
+
+    async def go() -> ReplayResult:
+        workload = build()
+        try:
+            if warmup:
+                _say("warm-up: one untimed uncached pass (--no-warmup skips it)")
+                await replay(workload, [WarmUp()], replace(options, epochs=1, verify=False))
+            return await replay_policies(workload, o["policies"], options, store=o["store"])
+        finally:
+            await workload.close()
+
+    console = wide_console()
+    result = asyncio.run(go())
+    print_table(result, console)
+    if charts:
+        for path in write_charts(result, charts):
+            console.print(f"chart: {path}")
+    summary = result.summary()
+    summary["about"] = describe()
+    return summary
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _positive_int(text: str) -> int:
@@ -155,6 +315,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
     return value
 
 

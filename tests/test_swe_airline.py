@@ -1,0 +1,197 @@
+"""The `airline` and `swe` workloads: airline rollouts replayed under tvcache against the uncached oracle
+(answers and final database states), and a real swe base built from a PyPI sdist running traced commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+from typing import Any
+
+import pytest
+
+from tvcache.bench import airline, airline_bench, replay_cli, swe
+from tvcache.bench.data import workload_path
+from tvcache.bench.replay import ReplayOptions
+from tvcache.bench.traces import read_traces
+from tvcache.calls import ToolCall
+
+TMP = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+
+
+# -- airline ------------------------------------------------------------------------------------------
+
+
+def test_airline_rollouts_under_tvcache_match_the_uncached_answers_and_final_states() -> None:
+    options = ReplayOptions(batch=2, epochs=2, concurrency=8, progress=False)
+    result, states = asyncio.run(
+        airline_bench.bench(tasks=6, latency=0.0, options=options, policies=["none", "naive", "tvcache"])
+    )
+    tvcache = result.policies["tvcache"]
+    assert result.rollouts == 24 and tvcache.calls == 2 * result.calls_per_epoch
+    assert tvcache.compared == tvcache.calls and tvcache.incorrect_hits == 0 and tvcache.wrong_answers == 0
+    assert tvcache.errors == 0 and tvcache.failed_rollouts == 0
+    # The second epoch repeats the first: every call of it is answered from the graph.
+    assert tvcache.epoch_hits[1] == tvcache.epoch_calls[1]
+    assert states is not None and states.rollouts == 48 and states.ok and states.detached == 0
+    # The reference run was worth having: the naive cache did serve a stale answer on these tasks.
+    assert (result.policies["naive"].incorrect_hits or 0) > 0
+
+
+def test_the_final_state_check_catches_a_write_taken_for_a_read() -> None:
+    initial = airline.load_db()
+    trace = next(t for t in airline.read_traces() if any(c.tool == "cancel_reservation" for c in t.calls))
+    calls = list(trace.calls)
+    assert airline.final_state(calls, initial)["reservations"] != initial["reservations"]  # it does write
+    honest = airline_bench.RolloutPath(trace.task, calls, [c.tool in airline.WRITES for c in calls])
+    planted = airline_bench.RolloutPath(trace.task, calls, [False] * len(calls))  # every call a memo
+    checked = airline_bench.check_final_states([honest, planted], initial)
+    assert checked.rollouts == 2 and checked.equal == 1 and not checked.ok
+    assert checked.differ[0]["task"] == trace.task
+
+
+def test_airline_snapshots_are_independent_of_later_calls() -> None:
+    async def go() -> None:
+        boxes = airline_bench.make_sandboxes(latency=0.0)
+        box = await boxes.create()
+        cancel = ToolCall("cancel_reservation", {"reservation_id": "JG7FMM"})
+        details = ToolCall("get_reservation_details", {"reservation_id": "JG7FMM"})
+        before = (await box.execute(details)).output
+        snapshot = await box.snapshot()
+        outcome = await box.execute(cancel)
+        assert outcome.changed is True and "cancelled" in str(outcome.output)
+        refused = await box.execute(ToolCall("book_reservation", {"user_id": "nobody"}))
+        assert refused.changed is False and str(refused.output).startswith("Error")
+        restored = await boxes.restore(snapshot)
+        assert (await restored.execute(details)).output == before
+        assert (await box.execute(details)).output != before
+        await boxes.close()
+
+    asyncio.run(go())
+
+
+def test_bench_options_that_do_not_apply_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    args = argparse.Namespace(workload="airline", charts=None, rollouts=3)
+    with pytest.raises(SystemExit) as exit_:
+        replay_cli.run_bench(args)
+    assert exit_.value.code == 2 and "--rollouts does not apply to airline" in capsys.readouterr().err
+
+
+# -- swe: the parts that need no network ------------------------------------------------------------------
+
+
+def test_closest_version() -> None:
+    assert swe.closest_version("2.12", ["2.11.0", "2.12.0", "2.12.1"]) == "2.12.0"
+    assert swe.closest_version("0.7.0a8", ["0.6.9", "0.7.0a7", "0.7.0", "0.7.0a9"]) == "0.7.0a7"
+    assert swe.closest_version("1.0", ["2.0", "3.0"]) == "2.0"  # nothing older: the oldest newer one
+    assert swe.closest_version("1.0", ["not a version", "0.9"]) == "0.9"
+    with pytest.raises(ValueError):
+        swe.closest_version("one", ["1.0"])
+
+
+def test_every_instance_has_a_version() -> None:
+    instances = swe.read_instances()
+    traces = read_traces(workload_path("traces", "swe-dev.jsonl"))
+    assert {t.task for t in traces} == set(instances)
+    assert instances["pylint-dev__astroid-1978"].version == "2.14"
+    assert instances["pylint-dev__astroid-1978"].version_from == "SWE-bench"
+    assert instances["marshmallow-code__marshmallow-1343"] == swe.Instance(
+        "marshmallow-code__marshmallow-1343", "marshmallow", "2.20.0", "traces"
+    )
+
+
+def test_mask_durations() -> None:
+    text = "==== 1 failed, 7 passed, 1 warning in 0.34s ====\n5 passed in 61.20s (0:01:01)\nRan 3 tests in 0.004s\n"
+    assert swe.mask_durations(text) == (
+        "==== 1 failed, 7 passed, 1 warning in N.NNs ====\n5 passed in N.NNs\nRan 3 tests in N.NNNs\n"
+    )
+    assert swe.mask_durations("sleep in 3s\n") == "sleep in 3s\n"  # only test summaries
+
+
+# -- swe: a real base (needs PyPI) --------------------------------------------------------------------------
+
+
+def _pypi_reachable() -> bool:
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def marshmallow(tmp_path_factory: pytest.TempPathFactory) -> swe.Base:
+    """marshmallow 2.20.0 (a small pure-Python sdist with its tests), built from PyPI into a fresh folder."""
+    if not _pypi_reachable():
+        pytest.skip("PyPI (pypi.org:443) is unreachable: the swe base is built from a PyPI sdist")
+    return swe.build_base("marshmallow", "2.20.0", root=tmp_path_factory.mktemp("swe"))
+
+
+def test_the_base_holds_the_sdist_as_a_git_checkout_and_an_environment(marshmallow: swe.Base) -> None:
+    info = marshmallow.info()
+    assert info["version"] == "2.20.0" and info["extras"] == ["tests"]
+    assert any(p.startswith("pytest==") for p in info["packages"])
+    assert any(p.startswith("simplejson==") for p in info["packages"])  # imported by the tests, not an extra
+    assert (marshmallow.testbed / "src" / "marshmallow" / "schema.py").is_file()
+    assert (marshmallow.testbed / ".git").is_dir()
+    pth = next(marshmallow.env.rglob("__editable__*.pth"))
+    assert pth.read_text().strip() == "/testbed/src"
+    # A second call finds it without building (nor asking PyPI).
+    assert swe.build_base("marshmallow", "2.20.0", root=marshmallow.root.parent) == marshmallow
+
+
+def test_traced_commands_run_in_the_sandbox(marshmallow: swe.Base) -> None:
+    rollout = next(t for t in read_traces(workload_path("traces", "swe-dev.jsonl")) if "marshmallow-1343" in t.task)
+    traced = [c.args["command"] for c in rollout.calls]
+    commands = [
+        traced[0],  # pwd && ls -la
+        traced[1],  # find src -type f -name "*.py" | head -20
+        "python -c 'import marshmallow; print(marshmallow.__file__, marshmallow.__version__)'",
+        "cd /testbed && python -m pytest tests/test_schema.py -q -x 2>&1 | tail -1",
+        "grep -n 'collections.Mapping' src/marshmallow/marshalling.py",
+        "sed -i 's/collections.Mapping/collections.abc.Mapping/' src/marshmallow/marshalling.py",
+        "git diff --stat",
+        "git status --short",
+        "pip install simplejson -q; echo $?",
+        "curl -s https://pypi.org >/dev/null; echo $?",
+    ]
+
+    async def go() -> list[Any]:
+        boxes = swe.make_sandboxes(marshmallow, timeout=60, tmp=TMP)
+        try:
+            box = await boxes.create()
+            outcomes = [await box.execute(ToolCall("bash", {"command": c})) for c in commands]
+            fresh = await boxes.create()  # the edits stay in their sandbox
+            untouched = await fresh.execute(ToolCall("bash", {"command": "git status --short"}))
+            return [*outcomes, untouched]
+        finally:
+            await boxes.close()
+
+    out = asyncio.run(go())
+    text = [o.output["output"] for o in out]
+    assert text[0].startswith("/testbed\n") and "setup.py" in text[0]
+    assert "src/marshmallow/schema.py" in text[1]
+    assert text[2].strip() == "/testbed/src/marshmallow/__init__.py 2.20.0"
+    # The test suite runs (no "No module named ..."): this old release fails on Python 3.11 as it did for
+    # the traced agent, with the duration masked.
+    assert "No module named" not in text[3] and "passed" in text[3] and "in N.NNs" in text[3]
+    assert "collections.Mapping" in text[4] and out[4].changed is False
+    assert out[5].changed is True
+    assert "src/marshmallow/marshalling.py" in text[6] and out[6].changed is False
+    assert text[7].strip() == "M src/marshmallow/marshalling.py" and out[7].changed is False
+    assert text[8].strip().endswith("0")  # already installed: no network needed
+    assert text[9].strip() != "0"  # the network is off
+    assert text[10] == ""
+
+
+def test_build_workload_covers_the_tasks_asked_for(marshmallow: swe.Base) -> None:
+    workload = swe.build_workload(1, root=marshmallow.root.parent, tmp=TMP)
+    try:
+        assert {t.task for t in workload.traces} == {"marshmallow-code__marshmallow-1343"}
+        assert len(workload.traces) == 4
+        boxes = workload.sandboxes("marshmallow-code__marshmallow-1343")
+        assert isinstance(boxes, swe.MaskedSandboxes)
+    finally:
+        asyncio.run(workload.close())
