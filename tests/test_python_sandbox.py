@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sandbox_oracle import check_snapshots_against_fresh_replay
 from tvcache import ToolCall
 from tvcache.sandboxes.base import Outcome, Output, Sandbox, SandboxError, Sandboxes
 from tvcache.sandboxes.python import PythonSandboxes
@@ -234,24 +235,6 @@ step = st.one_of(
 @given(st.lists(step, max_size=40))
 def test_restored_sandboxes_match_a_fresh_replay(steps: list[tuple[str, Any]]) -> None:
     async def main() -> None:
-        factory = boxes()
-        box = await factory.create()
-        history: list[tuple[ToolCall, Outcome]] = []
-        snapshots: list[tuple[str, list[tuple[ToolCall, Outcome]]]] = []
-        for kind, arg in steps:
-            if kind == "call":
-                history.append((arg, await box.execute(arg)))
-                continue
-            if kind == "rewind" and snapshots:
-                snap, saved = snapshots[arg % len(snapshots)]
-                history = list(saved)
-            else:
-                snap = await box.snapshot()
-                snapshots.append((snap, list(history)))
-            await box.close()
-            box = await factory.restore(snap)
-        fresh = await factory.create()
-        for c, outcome in history:
-            assert await fresh.execute(c) == outcome, c
+        await check_snapshots_against_fresh_replay(boxes(), steps)
 
     asyncio.run(main())

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sandbox_oracle import check_snapshots_against_fresh_replay
 from tvcache import ToolCall
 from tvcache.sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
 from tvcache.sandboxes.sqlite import (
@@ -681,23 +682,6 @@ def oracle_db() -> Iterator[Path]:
 def test_restored_sandboxes_match_a_fresh_replay(oracle_db: Path, steps: list[tuple[str, Any]]) -> None:
     async def main() -> None:
         async with SQLiteSandboxes(oracle_db) as boxes:
-            box = await boxes.create()
-            history: list[tuple[str, Outcome]] = []
-            snapshots: list[tuple[str, list[tuple[str, Outcome]]]] = []  # each with the history it holds
-            for kind, arg in steps:
-                if kind == "sql":
-                    history.append((arg, await run(box, arg)))
-                    continue
-                if kind == "rewind" and snapshots:
-                    snap, saved = snapshots[arg % len(snapshots)]
-                    history = list(saved)
-                else:
-                    snap = await box.snapshot()
-                    snapshots.append((snap, list(history)))
-                await box.close()
-                box = await boxes.restore(snap)
-            fresh = await boxes.create()
-            for query, outcome in history:
-                assert await run(fresh, query) == outcome, query
+            await check_snapshots_against_fresh_replay(boxes, [(k, sql(a) if k == "sql" else a) for k, a in steps])
 
     asyncio.run(main())
