@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tvcache.bench import traces
 from tvcache.bench.data import workloads_dir
 from tvcache.calls import ToolCall, Tools
 
@@ -737,32 +738,18 @@ class TraceRollout:
 
 def read_traces(path: str | Path | None = None) -> list[TraceRollout]:
     """The rollouts of a trace file (default: `<workloads>/traces/tau-airline.jsonl`).
-    A malformed line raises `ValueError` naming the file and line number."""
+    A malformed line raises `TraceError` (a `ValueError`) naming the file and line number."""
     path = Path(path) if path is not None else workloads_dir() / "traces" / "tau-airline.jsonl"
-    rollouts = []
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, 1):
-            if not line.strip():
-                continue
-            try:
-                rollouts.append(_parse_rollout(json.loads(line)))
-            except (ValueError, TypeError, KeyError) as exc:
-                raise ValueError(f"{path}:{number}: not a trace rollout: {exc!r}") from None
-    return rollouts
-
-
-def _parse_rollout(row: Any) -> TraceRollout:
-    if not isinstance(row, dict) or not isinstance(row.get("calls"), list):
-        raise ValueError('expected an object with a "calls" list')
-    calls, recorded = [], []
-    for call in row["calls"]:
-        calls.append(ToolCall(call["tool"], call["args"]))
-        output = call.get("output")
-        if output is not None and not isinstance(output, str):
-            raise TypeError(f"output must be a string or null, got {type(output).__name__}")
-        # The trace converter stored tau-bench's empty outputs (think's) as null.
-        recorded.append(output or "")
-    return TraceRollout(str(row["task"]), str(row["rollout"]), tuple(calls), tuple(recorded))
+    return [
+        TraceRollout(
+            trace.task,
+            trace.rollout,
+            tuple(ToolCall(c.tool, c.args) for c in trace.calls),
+            # The trace converter stored tau-bench's empty outputs (think's) as null.
+            tuple(c.output or "" for c in trace.calls),
+        )
+        for trace in traces.read_traces(path)
+    ]
 
 
 @dataclass(frozen=True, slots=True)
