@@ -6,22 +6,23 @@ issuing its calls in order. `epochs` repeats the whole sequence of steps, as tra
 which is where a cache reuses most. While a step runs, the policy is told the next step's tasks (tvcache
 prefetches sandboxes for them in the background).
 
-Every policy runs the same schedule, one policy after the other so they do not compete for the CPU; `none`
-(no cache) runs first and its answers are the oracle: every answer of a cached policy is compared with
-`none`'s answer for the same epoch, rollout and call. A hit that differs is an incorrect hit; an executed
-answer can be wrong too, when a naive cache left the sandbox in the wrong state (`wrong_answers`). Before
-an answer that differs is counted, the rollout is executed once more, uncached, in a fresh sandbox: if that
-answer differs from the oracle's as well, the tool is not deterministic there (`ls -la` printing times)
-and the answer is counted as `nondeterministic` instead. Answers of `none` that differ between epochs are
-reported as `oracle_nondeterministic`.
+Every policy runs the same schedule, step by step: all policies run step 1, one after the other so they do
+not compete for the CPU, then all run step 2, and so on, so that a machine whose load changes during a long
+run does not favour one policy. `none` (no cache) runs each step first and its answers are the oracle: every
+answer of a cached policy is compared with `none`'s answer for the same epoch, rollout and call. A hit that
+differs is an incorrect hit; an executed answer can be wrong too, when a naive cache left the sandbox in the
+wrong state (`wrong_answers`). Before an answer that differs is counted, the rollout is executed once more,
+uncached, in a fresh sandbox: if that answer differs from the oracle's as well, the tool is not
+deterministic there (`ls -la` printing times) and the answer is counted as `nondeterministic` instead.
+Answers of `none` that differ between epochs are reported as `oracle_nondeterministic`.
 
 Per call the engine times the wall seconds the rollout waits for the call (including any sandbox creation,
-restore, replay and snapshot the policy does for it). Peak memory is the peak resident set size of the
-process during a policy's run above the resident size at its start (Linux `VmHWM`, reset through
-`/proc/self/clear_refs` before each policy; elsewhere `ru_maxrss`, which cannot be reset, so only a policy
-that sets a new peak shows growth). It counts everything the policy holds in this process: cache entries
-and in-process snapshots (PythonSandboxes); snapshot files on tmpfs (SQLite, workspace layers) are not in
-it and show in the snapshot counts instead.
+restore, replay and snapshot the policy does for it). Peak memory is what a policy's steps grew the process
+by: per step, the peak resident set size during the step above the resident size at its start (Linux
+`VmHWM`, reset through `/proc/self/clear_refs` before each step; elsewhere `ru_maxrss`, which cannot be
+reset, so only a step that sets a new peak shows growth), summed over the policy's steps. It counts
+everything the policy holds in this process: cache entries and in-process snapshots (PythonSandboxes);
+snapshot files on tmpfs (SQLite, workspace layers) are not in it and show in the snapshot counts instead.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class PolicyRun:
     wall_seconds: float = 0.0
     peak_memory_bytes: int | None = None
     stats: dict[str, float] = field(default_factory=dict)
-    examples: list[dict[str, Any]] = field(default_factory=list)  # a few incorrect hits, for people
+    examples: list[dict[str, Any]] = field(default_factory=list)  # a few wrong answers, for people
     first_error: str | None = None
 
     @property
@@ -179,7 +180,7 @@ class PolicyRun:
             "peak_memory_bytes": self.peak_memory_bytes,
             "epoch_hit_rates": self.epoch_hit_rates(),
             "stats": self.stats,
-            "incorrect_examples": self.examples,
+            "wrong_examples": self.examples,
             "first_error": self.first_error,
         }
 
@@ -248,48 +249,45 @@ async def replay_policies(
 
 
 async def replay(workload: Workload, policies: Sequence[Policy], options: ReplayOptions) -> ReplayResult:
-    """Replay `workload` under each policy in turn (`none` first: it is the oracle) on the same schedule.
-    Closes the policies; the workload stays open (its owner closes it)."""
+    """Replay `workload` under each policy (`none` first: it is the oracle) on the same schedule, step by
+    step: every policy runs step 1, then every policy runs step 2, and so on, so that a machine getting
+    busier or quieter during a long run shifts all policies alike instead of favouring the ones that ran
+    in the quiet part. Closes the policies; the workload stays open (its owner closes it)."""
     steps = schedule(workload.traces, options.batch, options.epochs)
     order = sorted(policies, key=lambda p: p.name != "none")
     factories = {task: workload.sandboxes(task) for task in task_order(workload.traces)}
     calls_per_epoch = sum(len(t.calls) for t in workload.traces)
-    oracle: Oracle | None = None
-    verifier = _Verifier(workload, factories, options)
-    runs: dict[str, PolicyRun] = {}
+    oracle: Oracle | None = {} if order[0].name == "none" else None
     progress = _progress(options.progress)
+    engines: list[_Engine] = []
+    for policy in order:
+        run = PolicyRun(policy.name, options.epochs, epoch_calls=[0] * options.epochs)
+        run.epoch_hits = [0] * options.epochs
+        run.peak_memory_bytes = 0
+        record = policy.name == "none"
+        engine = _Engine(workload, factories, policy, options, run, None if record else oracle)
+        engine.oracle_out = oracle if record else None
+        engines.append(engine)
     try:
         with progress or _nothing():
-            for policy in order:
-                bar = None
-                if progress is not None:
-                    bar = progress.add_task(policy.name, total=calls_per_epoch * options.epochs)
-                record = policy.name == "none"
-                run = PolicyRun(policy.name, options.epochs, epoch_calls=[0] * options.epochs)
-                run.epoch_hits = [0] * options.epochs
-                engine = _Engine(workload, factories, policy, options, run, oracle if not record else None)
-                if record:
-                    engine.oracle_out = {}
-                if progress is not None and bar is not None:
+            if progress is not None:
+                for engine in engines:
+                    bar = progress.add_task(engine.policy.name, total=calls_per_epoch * options.epochs)
                     engine.advance = functools.partial(progress.advance, bar)
-                try:
-                    with _PeakMemory() as memory:
-                        start = time.perf_counter()
-                        await engine.run(steps)
-                        run.wall_seconds = time.perf_counter() - start
-                        run.stats = dict(policy.stats())
-                finally:
-                    await policy.close()
-                run.peak_memory_bytes = memory.peak
-                runs[policy.name] = run
-                if record:
-                    oracle = engine.oracle_out
-                elif oracle is not None:
-                    await _judge(workload, engine.mismatches, run, oracle, verifier if options.verify else None)
+            for i in range(len(steps)):
+                for engine in engines:
+                    await engine.timed_step(steps, i)
+            for engine in engines:
+                engine.run_.stats = dict(engine.policy.stats())
     finally:
         for policy in order:
-            if policy.name not in runs:
+            with contextlib.suppress(Exception):
                 await policy.close()
+    runs = {engine.policy.name: engine.run_ for engine in engines}
+    if oracle is not None:
+        verifier = _Verifier(workload, factories, options) if options.verify else None
+        for engine in engines[1:]:
+            await _judge(workload, engine.mismatches, engine.run_, oracle, verifier)
     return ReplayResult(
         workload=workload.name,
         notes=workload.notes,
@@ -327,15 +325,24 @@ class _Engine:
         if oracle is not None:
             run.compared = run.incorrect_hits = run.wrong_answers = run.nondeterministic = 0
 
-    async def run(self, steps: Sequence[Step]) -> None:
+    async def timed_step(self, steps: Sequence[Step], i: int) -> None:
+        """Run step `i`, adding its wall time to the run's and the memory it grew by to the run's peak."""
+        with _PeakMemory() as memory:
+            start = time.perf_counter()
+            await self.step(steps, i)
+            self.run_.wall_seconds += time.perf_counter() - start
+        assert self.run_.peak_memory_bytes is not None and memory.peak is not None
+        self.run_.peak_memory_bytes += memory.peak
+
+    async def step(self, steps: Sequence[Step], i: int) -> None:
+        if self.options.prefetch and i + 1 < len(steps):
+            upcoming = steps[i + 1]
+            tasks = [self.workload.traces[r].task for r in upcoming.rollouts]
+            counts = {t: tasks.count(t) for t in upcoming.tasks}
+            await self.policy.prefetch(counts, self.factories)
         slots = asyncio.Semaphore(self.options.concurrency)
-        for i, step in enumerate(steps):
-            if self.options.prefetch and i + 1 < len(steps):
-                upcoming = steps[i + 1]
-                tasks = [self.workload.traces[r].task for r in upcoming.rollouts]
-                counts = {t: tasks.count(t) for t in upcoming.tasks}
-                await self.policy.prefetch(counts, self.factories)
-            await asyncio.gather(*(self.rollout(slots, step.epoch, r) for r in step.rollouts))
+        step = steps[i]
+        await asyncio.gather(*(self.rollout(slots, step.epoch, r) for r in step.rollouts))
 
     async def rollout(self, slots: asyncio.Semaphore, epoch: int, index: int) -> None:
         trace = self.workload.traces[index]
@@ -464,22 +471,22 @@ async def _judge(
             run.nondeterministic += 1
             continue
         run.wrong_answers += 1
-        if m.hit:
-            run.incorrect_hits += 1
-            if len(run.examples) < 5:
-                trace = workload.traces[m.index]
-                c = trace.calls[m.call]
-                run.examples.append(
-                    {
-                        "task": trace.task,
-                        "rollout": trace.rollout,
-                        "epoch": m.epoch,
-                        "call": m.call,
-                        "tool": c.tool,
-                        "args": str(c.args)[:200],
-                        "got": m.preview,
-                    }
-                )
+        run.incorrect_hits += m.hit
+        if len(run.examples) < 8:
+            trace = workload.traces[m.index]
+            c = trace.calls[m.call]
+            run.examples.append(
+                {
+                    "task": trace.task,
+                    "rollout": trace.rollout,
+                    "epoch": m.epoch,
+                    "call": m.call,
+                    "hit": m.hit,
+                    "tool": c.tool,
+                    "args": str(c.args)[:200],
+                    "got": m.preview,
+                }
+            )
 
 
 def _digest(output: Any) -> bytes:
