@@ -206,6 +206,39 @@ def test_a_planted_wrong_hit_is_counted() -> None:
     assert result.policies["honest"].incorrect_hits == 0 and result.policies["honest"].hit_rate == 1.0
 
 
+def test_an_answer_that_depends_on_the_pace_of_calls_is_not_counted_as_wrong() -> None:
+    """A policy that pauses between calls (snapshots, waits) gets another answer from a tool that looks at
+    the time between calls, as git does with file times: a paced uncached re-execution reproduces it."""
+    import time
+
+    def tick(state: dict[str, float], call: Any) -> str:
+        now, last = time.monotonic(), state.get("last")
+        state["last"] = now
+        return "first" if last is None else ("slow" if now - last > 1.0 else "fast")
+
+    boxes = PythonSandboxes(make=dict, run=tick, fingerprint="tick")
+    traces = [Trace("t", "r", "", [TraceCall("tick", {"i": i}) for i in range(3)])]
+    workload = Workload("ticks", traces, lambda task: boxes, Tools())
+
+    class Slow(NoCachePolicy):
+        name = "slow"
+
+        @contextlib.asynccontextmanager
+        async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[PolicyRollout]:
+            async with super().rollout(task, sandboxes, tools) as inner:
+
+                class Paused:
+                    async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
+                        await asyncio.sleep(1.2)
+                        return await inner.call(tool, args)
+
+                yield Paused()
+
+    result = asyncio.run(replay(workload, [NoCachePolicy(), Slow()], ReplayOptions(progress=False)))
+    run = result.policies["slow"]
+    assert run.compared == 3 and run.nondeterministic == 2 and run.wrong_answers == 0
+
+
 def test_without_an_oracle_nothing_is_compared() -> None:
     result = asyncio.run(
         replay(numbered_workload(1, 2, 2), [Liar("liar", {(0, 0): True})], ReplayOptions(progress=False))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import tvcache
-from tvcache.bench import sql, tpch
+from tvcache.bench import sql, sqlquery, tpch
 from tvcache.bench.data import workloads_dir
 from tvcache.bench.traces import Trace
 from tvcache.bench.workload import Workload
@@ -197,7 +197,7 @@ TABLES = {"singer": ("id", "name", "country", "age"), "concert": ("id", "singer_
 
 def test_perturbations_give_distinct_wrong_queries_that_parse() -> None:
     gold = "SELECT name, age FROM singer WHERE country = 'France' AND age > 30 ORDER BY age DESC LIMIT 3;"
-    variants = sql.perturb(gold, TABLES, random.Random(0), count=6)
+    variants = sqlquery.perturb(gold, TABLES, random.Random(0), count=6)
     assert len(variants) == 6 == len(set(variants))
     conn = sqlite3.connect(":memory:")
     conn.executescript(
@@ -212,17 +212,17 @@ def test_perturbations_give_distinct_wrong_queries_that_parse() -> None:
 def test_cost_preserving_perturbations_keep_every_condition() -> None:
     gold = tpch.queries(random.Random(1), ("q05",))[0].sql
     conditions = gold.count(" AND ") + gold.count("WHERE")
-    for variant in sql.perturb(gold, {}, random.Random(2), count=8, kinds=sql.COST_PRESERVING):
+    for variant in sqlquery.perturb(gold, {}, random.Random(2), count=8, kinds=sqlquery.COST_PRESERVING):
         assert variant.count(" AND ") + variant.count("WHERE") == conditions, variant
         assert "!=" not in variant
 
 
 def test_dropping_a_condition_never_drops_a_join() -> None:
     gold = "SELECT T1.name FROM singer AS T1 JOIN concert AS T2 ON T1.id = T2.singer_id WHERE T2.year = 2014"
-    kinds = {"drop_condition": sql.PERTURBATIONS["drop_condition"]}
-    assert sql.perturb(gold, TABLES, random.Random(0), kinds=kinds) == []
+    kinds = {"drop_condition": sqlquery.PERTURBATIONS["drop_condition"]}
+    assert sqlquery.perturb(gold, TABLES, random.Random(0), kinds=kinds) == []
     comma_join = "SELECT name FROM singer, concert WHERE singer.id = concert.singer_id AND year = 2014"
-    assert sql.perturb(comma_join, TABLES, random.Random(0), kinds=kinds) == [
+    assert sqlquery.perturb(comma_join, TABLES, random.Random(0), kinds=kinds) == [
         "SELECT name FROM singer, concert WHERE singer.id = concert.singer_id"
     ]
 

@@ -399,7 +399,7 @@ class _Engine:
         assert run.compared is not None
         run.compared += 1
         if answer != expected:
-            self.mismatches.append(_Mismatch(epoch, index, call, result.hit, str(result.output)[:200]))
+            self.mismatches.append(_Mismatch(epoch, index, call, result.hit, answer, str(result.output)[:200]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,31 +410,49 @@ class _Mismatch:
     index: int
     call: int
     hit: bool
+    answer: bytes  # digest of the policy's answer
     preview: str
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.epoch, self.index, self.call)
 
 
 class _Verifier:
     """Re-executes rollouts uncached, each in a fresh sandbox, to tell a wrong answer from a tool that is
-    not deterministic (`ls -la` showing times, a random temp name): if re-executing a rollout's history
-    gives an answer that differs from the oracle's too, the oracle itself is not reproducible there."""
+    not deterministic: if re-executing a rollout's history gives an answer that differs from the oracle's
+    too (`ls -la` showing times, a random temp name), the oracle itself is not reproducible there.
+
+    Some tools depend on timing instead, which a second run at the same pace reproduces faithfully: git
+    compares file times in whole seconds, so `git checkout FILE` right after a rewrite of FILE with the
+    same content says "Updated 0 paths" and a second later "Updated 1 path". A policy's answers come at
+    another pace (it snapshots, waits and restores between calls), so an executed answer (not a hit) whose
+    mismatch the first re-execution does not explain is re-executed once more with `PACE` seconds before
+    every call; if that gives the policy's own answer, an uncached execution produced that answer too and
+    it is not counted as wrong. Pacing costs a second a call, so it is done for at most `paced_rollouts`
+    rollouts per policy (the shortest); the mismatches of the others count as wrong."""
+
+    PACE = 1.1  # seconds: more than the one-second granularity of file times in git's index
 
     def __init__(self, workload: Workload, factories: dict[str, Sandboxes], options: ReplayOptions):
+        self.paced_rollouts = options.concurrency  # paced re-executions per policy, at most
         self._workload = workload
         self._factories = factories
         self._options = options
-        self._answers: dict[int, list[bytes | None]] = {}  # rollout -> digests of its re-executed calls
+        # (rollout, paced) -> digests of its re-executed calls
+        self._answers: dict[tuple[int, bool], list[bytes | None]] = {}
 
-    def answer(self, index: int, call: int) -> bytes | None:
-        answers = self._answers.get(index, [])
+    def answer(self, index: int, call: int, *, paced: bool = False) -> bytes | None:
+        answers = self._answers.get((index, paced), [])
         return answers[call] if call < len(answers) else None
 
-    async def rerun(self, needed: dict[int, int]) -> None:
+    async def rerun(self, needed: dict[int, int], *, paced: bool = False) -> None:
         """Re-execute each rollout `index` up to call `needed[index]` (once per rollout and replay)."""
         slots = asyncio.Semaphore(self._options.concurrency)
-        todo = {i: last for i, last in needed.items() if len(self._answers.get(i, [])) <= last}
-        await asyncio.gather(*(self._one(slots, i, last) for i, last in todo.items()))
+        todo = {i: last for i, last in needed.items() if len(self._answers.get((i, paced), [])) <= last}
+        await asyncio.gather(*(self._one(slots, i, last, paced) for i, last in todo.items()))
 
-    async def _one(self, slots: asyncio.Semaphore, index: int, last: int) -> None:
+    async def _one(self, slots: asyncio.Semaphore, index: int, last: int, paced: bool) -> None:
         trace = self._workload.traces[index]
         answers: list[bytes | None] = []
         async with slots:
@@ -442,6 +460,8 @@ class _Verifier:
             try:
                 box = await self._factories[trace.task].create()
                 for c in trace.calls[: last + 1]:
+                    if paced:
+                        await asyncio.sleep(self.PACE)
                     call = self._workload.tools.call(c.tool, c.args)
                     outcome = await asyncio.wait_for(box.execute(call), self._options.timeout)
                     answers.append(None if outcome.error else _digest(as_cached(outcome.output)))
@@ -451,23 +471,28 @@ class _Verifier:
                 if box is not None:
                     with contextlib.suppress(Exception):
                         await box.close()
-        self._answers[index] = answers
+        self._answers[(index, paced)] = answers
 
 
 async def _judge(
     workload: Workload, mismatches: list[_Mismatch], run: PolicyRun, oracle: Oracle, verifier: _Verifier | None
 ) -> None:
-    """Count each mismatch as a wrong answer, unless re-executing its rollout uncached disagreed with the
-    oracle as well (then the tool is not deterministic there). Unverifiable mismatches count as wrong."""
+    """Count each mismatch as a wrong answer, unless an uncached re-execution of its rollout disagreed with
+    the oracle as well, or gave the policy's answer when paced (see `_Verifier`). Unverifiable mismatches
+    count as wrong."""
     if verifier is not None and mismatches:
-        needed: dict[int, int] = {}
-        for m in mismatches:
-            needed[m.index] = max(needed.get(m.index, -1), m.call)
-        await verifier.rerun(needed)
+        await verifier.rerun(_furthest(mismatches))
+        executed = [m for m in mismatches if not m.hit]
+        unexplained = _furthest([m for m in executed if verifier.answer(m.index, m.call) == oracle[m.key]])
+        # Pacing is slow (a second a call): at most one batch of rollouts, the shortest first.
+        cheapest = sorted(unexplained, key=unexplained.__getitem__)[: verifier.paced_rollouts]
+        await verifier.rerun({i: unexplained[i] for i in cheapest}, paced=True)
     assert run.wrong_answers is not None and run.incorrect_hits is not None and run.nondeterministic is not None
     for m in mismatches:
+        expected = oracle[m.key]
         again = verifier.answer(m.index, m.call) if verifier is not None else None
-        if again is not None and again != oracle[(m.epoch, m.index, m.call)]:
+        paced = verifier.answer(m.index, m.call, paced=True) if verifier is not None else None
+        if (again is not None and again != expected) or paced == m.answer:
             run.nondeterministic += 1
             continue
         run.wrong_answers += 1
@@ -487,6 +512,14 @@ async def _judge(
                     "got": m.preview,
                 }
             )
+
+
+def _furthest(mismatches: Sequence[_Mismatch]) -> dict[int, int]:
+    """Rollout -> the last of its calls with a mismatch."""
+    needed: dict[int, int] = {}
+    for m in mismatches:
+        needed[m.index] = max(needed.get(m.index, -1), m.call)
+    return needed
 
 
 def _digest(output: Any) -> bytes:
