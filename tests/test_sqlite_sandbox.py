@@ -271,6 +271,45 @@ def test_snapshot_and_restore_are_independent(shm: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_snapshot_of_an_unwritten_database_is_a_link_not_a_copy(shm: Path) -> None:
+    """Policies that snapshot after every call would copy a large database each time; a database nobody
+    wrote since it equalled an immutable file shares that file. Written ones are copied, and every restore
+    sees exactly the state it was snapshotted in."""
+
+    def inode(boxes: SQLiteSandboxes, snapshot_id: str) -> int:
+        return os.stat(boxes._snapshots[snapshot_id].main).st_ino
+
+    async def main() -> None:
+        async with SQLiteSandboxes(make_db(shm / "l.db")) as boxes:
+            base = os.stat(boxes._base).st_ino
+            a = await boxes.create()
+            await run(a, "SELECT * FROM items")
+            read_only = await a.snapshot()
+            assert inode(boxes, read_only) == base
+            await run(a, "INSERT INTO items(name, qty) VALUES ('kiwi', 9)")
+            written = await a.snapshot()
+            assert inode(boxes, written) != base
+            await run(a, "SELECT count(*) FROM items")
+            again = await a.snapshot()  # unwritten since its last snapshot: that snapshot's file
+            assert inode(boxes, again) == inode(boxes, written)
+            await boxes.delete(written)  # the shared file outlives the name it was made under
+            b = await boxes.restore(again)
+            await run(b, "DELETE FROM items WHERE name = 'pear'")  # a restored copy, never the shared file
+            c = await boxes.restore(again)
+            count = "SELECT count(*) FROM items"
+            assert await text(c, count) == "count(*)\n       4"
+            assert await text(b, count) == "count(*)\n       3"
+            d = await boxes.restore(read_only)
+            assert (
+                await text(d, count) == "count(*)\n       3"
+                and await text(d, "SELECT qty FROM items WHERE name = 'pear'") == "qty\n  5"
+            )
+            after_restore = await c.snapshot()  # restored and unwritten: links the snapshot it came from
+            assert inode(boxes, after_restore) == inode(boxes, again)
+
+    asyncio.run(main())
+
+
 TEMP_HISTORY = [
     "CREATE TEMP TABLE gone(id INTEGER PRIMARY KEY AUTOINCREMENT, v)",  # leaves temp.sqlite_sequence behind
     "INSERT INTO gone(v) VALUES (1)",

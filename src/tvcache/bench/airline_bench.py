@@ -35,7 +35,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..calls import ToolCall, Tools
 from ..rollout import Result
@@ -303,6 +303,7 @@ def run(
     store: str | None = None,
     charts: str | None = None,
     progress: bool = True,
+    turns: Literal["step", "policy"] = "step",
 ) -> dict[str, Any]:
     """`tvcache bench airline`: conformance of the tools, then the replay; prints both, returns the figures."""
     console = wide_console()
@@ -316,7 +317,7 @@ def run(
     )
     for line in report.summary().splitlines()[1:]:
         console.print(line, highlight=False, markup=False)
-    options = ReplayOptions(batch=batch, epochs=epochs, concurrency=concurrency, progress=progress)
+    options = ReplayOptions(batch=batch, epochs=epochs, concurrency=concurrency, progress=progress, turns=turns)
     result, states = asyncio.run(bench(tasks=tasks, latency=latency, options=options, policies=policies, store=store))
     print_table(result, console)
     console.print(

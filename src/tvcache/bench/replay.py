@@ -8,13 +8,15 @@ prefetches sandboxes for them in the background).
 
 Every policy runs the same schedule, step by step: all policies run step 1, one after the other so they do
 not compete for the CPU, then all run step 2, and so on, so that a machine whose load changes during a long
-run does not favour one policy. `none` (no cache) runs each step first and its answers are the oracle: every
-answer of a cached policy is compared with `none`'s answer for the same epoch, rollout and call. A hit that
-differs is an incorrect hit; an executed answer can be wrong too, when a naive cache left the sandbox in the
-wrong state (`wrong_answers`). Before an answer that differs is counted, the rollout is executed once more,
-uncached, in a fresh sandbox: if that answer differs from the oracle's as well, the tool is not
-deterministic there (`ls -la` printing times) and the answer is counted as `nondeterministic` instead.
-Answers of `none` that differ between epochs are reported as `oracle_nondeterministic`.
+run does not favour one policy (`turns="policy"` runs each policy's whole schedule in turn instead, for
+sandboxes whose snapshots are too big to hold every policy's at once). `none` (no cache) runs each step
+first and its answers are the oracle: every answer of a cached policy is compared with `none`'s answer for
+the same epoch, rollout and call. A hit that differs is an incorrect hit; an executed answer can be wrong
+too, when a naive cache left the sandbox in the wrong state (`wrong_answers`). Before an answer that differs
+is counted, the rollout is executed once more, uncached, in a fresh sandbox: if that answer differs from the
+oracle's as well, the tool is not deterministic there (`ls -la` printing times) and the answer is counted as
+`nondeterministic` instead. Answers of `none` that differ between epochs are reported as
+`oracle_nondeterministic`.
 
 Per call the engine times the wall seconds the rollout waits for the call (including any sandbox creation,
 restore, replay and snapshot the policy does for it). Peak memory is what a policy's steps grew the process
@@ -38,7 +40,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..graph import encode_output
 from ..rollout import Result
@@ -95,12 +97,18 @@ class ReplayOptions:
     prefetch: bool = True  # tell the policy the next step's tasks while a step runs
     progress: bool = True  # rich progress bars on stderr
     verify: bool = True  # re-execute rollouts with wrong-looking answers to rule out nondeterministic tools
+    # "step": the policies take turns step by step (load drift falls on all alike); "policy": each runs the
+    # whole schedule in turn and is closed before the next starts, so only one policy's snapshots exist at a
+    # time (for sandboxes whose snapshots are big: SQLite copies whole databases).
+    turns: Literal["step", "policy"] = "step"
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.turns not in ("step", "policy"):
+            raise ValueError(f"turns must be 'step' or 'policy', got {self.turns!r}")
 
 
 @dataclass
@@ -274,15 +282,22 @@ async def replay(workload: Workload, policies: Sequence[Policy], options: Replay
                 for engine in engines:
                     bar = progress.add_task(engine.policy.name, total=calls_per_epoch * options.epochs)
                     engine.advance = functools.partial(progress.advance, bar)
-            for i in range(len(steps)):
-                for engine in engines:
-                    await engine.timed_step(steps, i)
-            for engine in engines:
-                engine.run_.stats = dict(engine.policy.stats())
+            every = range(len(steps))
+            if options.turns == "step":
+                turns = [(engine, i) for i in every for engine in engines]
+            else:
+                turns = [(engine, i) for engine in engines for i in every]
+            for engine, i in turns:
+                await engine.timed_step(steps, i)
+                if i == len(steps) - 1:  # its last step: free what it holds before others go on
+                    engine.run_.stats = dict(engine.policy.stats())
+                    engine.closed = True
+                    await engine.policy.close()
     finally:
-        for policy in order:
-            with contextlib.suppress(Exception):
-                await policy.close()
+        for engine in engines:
+            if not engine.closed:
+                with contextlib.suppress(Exception):
+                    await engine.policy.close()
     runs = {engine.policy.name: engine.run_ for engine in engines}
     if oracle is not None:
         verifier = _Verifier(workload, factories, options) if options.verify else None
@@ -322,6 +337,7 @@ class _Engine:
         self.oracle_out: Oracle | None = None
         self.advance: Callable[[], None] = lambda: None
         self.mismatches: list[_Mismatch] = []
+        self.closed = False
         if oracle is not None:
             run.compared = run.incorrect_hits = run.wrong_answers = run.nondeterministic = 0
 

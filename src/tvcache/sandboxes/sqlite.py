@@ -373,6 +373,11 @@ class SQLiteSandbox:
         self._refused: str | None = None
         self._deadline: float | None = None
         self._timed_out = False
+        # The immutable file this sandbox's database was last equal to (its base, the snapshot it was
+        # restored from, or its own last snapshot) and the file's stat at that moment: while the stat has not
+        # moved, a snapshot of the database is a hard link to that file instead of a copy (see `_save`).
+        self._origin: Path | None = None
+        self._origin_stat: tuple[int, int, int] | None = None
 
     @property
     def path(self) -> Path:
@@ -450,6 +455,7 @@ class SQLiteSandbox:
             conn.execute(f"PRAGMA {pragma}").fetchall()
         if source.temp is not None:
             _load_temp_schema(conn, pickle.loads(source.temp.read_bytes()))
+        self._origin, self._origin_stat = source.main, _stat(self._path)
         conn.set_authorizer(self._authorize)
         conn.set_progress_handler(self._progress, _PROGRESS_STEPS)
 
@@ -481,8 +487,14 @@ class SQLiteSandbox:
         return Outcome(output, changed=before != self._marker())
 
     def _save(self, snapshot: _Snapshot) -> _Snapshot:
-        # Between calls no transaction is open and every change is in the file, so a byte copy is exact.
-        shutil.copyfile(self._path, snapshot.main)
+        # Between calls no transaction is open and every change is in the file, so a byte copy is exact. A
+        # database not written since it equalled an immutable file (every write moves its mtime; SQLite
+        # writes with write(2), not mmap) is that file: link it, which takes no time and no space. Most
+        # calls only read, and policies that snapshot after every call would otherwise copy a large database
+        # each time.
+        if self._origin is None or self._origin_stat != _stat(self._path) or not _link(self._origin, snapshot.main):
+            shutil.copyfile(self._path, snapshot.main)
+            self._origin, self._origin_stat = snapshot.main, _stat(self._path)
         self._internal = True
         try:
             temp = _dump_temp_schema(self._connection())
@@ -705,3 +717,18 @@ def _query_of(call: ToolCall) -> str:
     if set(call.args) != {"query"} or not isinstance(query, str):
         raise ValueError(f'the {TOOL!r} tool takes args {{"query": str}}, got {call.args!r:.200}')
     return query
+
+
+def _stat(path: Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _link(source: Path, target: Path) -> bool:
+    """Hard-link `target` to `source`; False if that cannot be done (the source was deleted meanwhile, or
+    another filesystem), and the caller copies instead."""
+    try:
+        os.link(source, target)
+    except OSError:
+        return False
+    return True
