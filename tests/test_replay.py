@@ -11,7 +11,7 @@ import random
 import sqlite3
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from rich.console import Console
@@ -140,10 +140,10 @@ def test_policies_take_turns_step_by_step() -> None:
             async with super().rollout(task, sandboxes, tools) as r:
                 yield r
 
-    def changes(turns: str) -> list[tuple[str, str]]:
+    def changes(turns: Literal["step", "policy"]) -> list[tuple[str, str]]:
         log.clear()
         policies = [Logging("later"), Logging("none")]
-        options = ReplayOptions(batch=2, progress=False, turns=turns)  # type: ignore[arg-type]
+        options = ReplayOptions(batch=2, progress=False, turns=turns)
         asyncio.run(replay(numbered_workload(4, 2, 1), policies, options))
         seen = [(name, "step 1" if task in ("t0", "t1") else "step 2") for name, task in log]
         return [turn for i, turn in enumerate(seen) if i == 0 or turn != seen[i - 1]]

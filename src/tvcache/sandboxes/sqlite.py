@@ -492,9 +492,10 @@ class SQLiteSandbox:
         # writes with write(2), not mmap) is that file: link it, which takes no time and no space. Most
         # calls only read, and policies that snapshot after every call would otherwise copy a large database
         # each time.
-        if self._origin is None or self._origin_stat != _stat(self._path) or not _link(self._origin, snapshot.main):
-            shutil.copyfile(self._path, snapshot.main)
-            self._origin, self._origin_stat = snapshot.main, _stat(self._path)
+        now = _stat(self._path)
+        if self._origin is None or self._origin_stat != now or not _link(self._origin, snapshot.main):
+            shutil.copyfile(self._path, snapshot.main)  # reads the file only: its stat stays `now`
+            self._origin, self._origin_stat = snapshot.main, now
         self._internal = True
         try:
             temp = _dump_temp_schema(self._connection())
