@@ -764,18 +764,11 @@ class Mismatch:
 
 @dataclass(slots=True)
 class Report:
-    """How our outputs compare with the recorded ones, call by call.
-
-    `misattributed` calls are those whose recorded output is, in the trace file, the output of a later
-    call of the same rollout that we do reproduce exactly: tau-bench's historical trajectories reuse
-    tool-call ids within a rollout, and the conversion to JSONL matched outputs to calls by id, so an
-    earlier call shows a later call's output. They cannot match and are not counted as our mismatches.
-    """
+    """How our outputs compare with the recorded ones, call by call: every call counts, exactly."""
 
     rollouts: int = 0
     total: int = 0
     exact: int = 0
-    misattributed: int = 0
     calls_by_tool: Counter[str] = field(default_factory=Counter)
     mismatches: Counter[str] = field(default_factory=Counter)
     examples: dict[str, list[Mismatch]] = field(default_factory=dict)
@@ -785,17 +778,9 @@ class Report:
         """Exact matches over all calls."""
         return self.exact / self.total if self.total else 1.0
 
-    @property
-    def verified_rate(self) -> float:
-        """Exact matches over the calls whose recorded output is their own."""
-        checked = self.total - self.misattributed
-        return self.exact / checked if checked else 1.0
-
     def summary(self) -> str:
         lines = [
-            f"{self.rollouts} rollouts, {self.total} calls: {self.exact} exact ({self.rate:.2%}); "
-            f"{self.misattributed} recorded with a later call's output (trace conversion); "
-            f"{self.verified_rate:.2%} exact of the {self.total - self.misattributed} others",
+            f"{self.rollouts} rollouts, {self.total} calls: {self.exact} exact ({self.rate:.2%})",
         ]
         for tool, count in self.mismatches.most_common():
             lines.append(f"  {tool}: {count} of {self.calls_by_tool[tool]} differ")
@@ -821,8 +806,6 @@ def conformance(traces_path: str | Path | None = None, *, initial: Db | None = N
             report.calls_by_tool[call.tool] += 1
             if produced[i] == recorded[i]:
                 report.exact += 1
-            elif any(recorded[j] == recorded[i] == produced[j] for j in range(i + 1, len(recorded))):
-                report.misattributed += 1
             else:
                 report.mismatches[call.tool] += 1
                 kept = report.examples.setdefault(call.tool, [])
