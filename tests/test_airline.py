@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from tvcache.bench import airline
-from tvcache.bench.data import ENV_VAR, workload_path, workloads_dir
 from tvcache.calls import ToolCall
+from tvcache_bench.data import ENV_VAR, workload_path, workloads_dir
+from tvcache_bench.workloads import airline
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,15 @@ import pytest
 from rich.console import Console
 
 from tvcache import PythonSandboxes, Result, Tools
-from tvcache.bench import quick, replay_cli, synthetic
-from tvcache.bench.data import workload_path
-from tvcache.bench.policies import NoCachePolicy, Policy, PolicyRollout
-from tvcache.bench.replay import ReplayOptions, percentile, replay, replay_policies, schedule
-from tvcache.bench.report import print_table, write_charts, write_json
-from tvcache.bench.traces import Trace, TraceCall, write_traces
-from tvcache.bench.workload import Workload
 from tvcache.sandboxes.base import Sandboxes
+from tvcache_bench import cli as replay_cli
+from tvcache_bench.data import workload_path
+from tvcache_bench.replay import ReplayOptions, percentile, replay, replay_strategies, schedule
+from tvcache_bench.report import print_table, write_charts, write_json
+from tvcache_bench.strategies import NoCacheStrategy, Strategy, StrategyRollout
+from tvcache_bench.traces import Trace, TraceCall, write_traces
+from tvcache_bench.workload import Workload
+from tvcache_bench.workloads import quick, synthetic
 
 
 def traces_of(shape: list[tuple[str, int]], calls: int = 2) -> list[Trace]:
@@ -59,20 +60,20 @@ def test_schedule_batches_tasks_in_order_of_appearance_and_repeats_epochs() -> N
         schedule(traces, batch=1, epochs=0)
 
 
-class Recorder(Policy):
+class Recorder(Strategy):
     """No cache, recording when rollouts start and end and in what order calls arrive."""
 
     name = "none"
 
     def __init__(self, delay: float = 0.002):
-        self.inner = NoCachePolicy()
+        self.inner = NoCacheStrategy()
         self.delay = delay
         self.events: list[tuple[str, str, int]] = []  # (start|end, task, rollout id)
         self.live = self.peak = 0
         self.calls: dict[int, list[int]] = {}
 
     @contextlib.asynccontextmanager
-    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[PolicyRollout]:
+    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[StrategyRollout]:
         me = len(self.calls)
         self.calls[me] = []
         self.live += 1
@@ -124,9 +125,9 @@ def test_steps_run_in_order_with_bounded_concurrency_and_calls_in_order() -> Non
     assert position == len(recorder.events)
 
 
-def test_policies_take_turns_step_by_step() -> None:
-    """A machine whose load drifts during a long run must not favour the policies that ran in the quiet part:
-    every policy runs step 1 before any runs step 2."""
+def test_strategies_take_turns_step_by_step() -> None:
+    """A machine whose load drifts during a long run must not favour the strategies that ran in the quiet part:
+    every strategy runs step 1 before any runs step 2."""
     log: list[tuple[str, str]] = []
 
     class Logging(Recorder):
@@ -135,22 +136,22 @@ def test_policies_take_turns_step_by_step() -> None:
             self.name = name
 
         @contextlib.asynccontextmanager
-        async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[PolicyRollout]:
+        async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[StrategyRollout]:
             log.append((self.name, task))
             async with super().rollout(task, sandboxes, tools) as r:
                 yield r
 
-    def changes(turns: Literal["step", "policy"]) -> list[tuple[str, str]]:
+    def changes(turns: Literal["step", "strategy"]) -> list[tuple[str, str]]:
         log.clear()
-        policies = [Logging("later"), Logging("none")]
+        strategies = [Logging("later"), Logging("none")]
         options = ReplayOptions(batch=2, progress=False, turns=turns)
-        asyncio.run(replay(numbered_workload(4, 2, 1), policies, options))
+        asyncio.run(replay(numbered_workload(4, 2, 1), strategies, options))
         seen = [(name, "step 1" if task in ("t0", "t1") else "step 2") for name, task in log]
         return [turn for i, turn in enumerate(seen) if i == 0 or turn != seen[i - 1]]
 
     assert changes("step") == [("none", "step 1"), ("later", "step 1"), ("none", "step 2"), ("later", "step 2")]
-    # By policy (for big snapshots): each runs its whole schedule, the oracle first.
-    assert changes("policy") == [("none", "step 1"), ("none", "step 2"), ("later", "step 1"), ("later", "step 2")]
+    # By strategy (for big snapshots): each runs its whole schedule, the oracle first.
+    assert changes("strategy") == [("none", "step 1"), ("none", "step 2"), ("later", "step 1"), ("later", "step 2")]
 
 
 def test_concurrency_one_runs_rollouts_one_by_one() -> None:
@@ -164,17 +165,17 @@ def test_concurrency_one_runs_rollouts_one_by_one() -> None:
 # -- comparison with the oracle ----------------------------------------------------------------------------
 
 
-class Liar(Policy):
+class Liar(Strategy):
     """No cache, but plants wrong answers at chosen (rollout number, call) positions, as hits or not."""
 
     def __init__(self, name: str, plant: dict[tuple[int, int], bool]):
         self.name = name
-        self.inner = NoCachePolicy()
+        self.inner = NoCacheStrategy()
         self.plant = plant
         self.rollouts = 0
 
     @contextlib.asynccontextmanager
-    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[PolicyRollout]:
+    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[StrategyRollout]:
         me = self.rollouts
         self.rollouts += 1
         plant = self.plant
@@ -199,8 +200,8 @@ class Liar(Policy):
 def test_a_planted_wrong_hit_is_counted() -> None:
     workload = numbered_workload(tasks=2, rollouts=2, calls=3)
     liar = Liar("liar", {(1, 2): True, (3, 0): False})  # one wrong hit, one wrong executed answer
-    result = asyncio.run(replay(workload, [NoCachePolicy(), liar], ReplayOptions(progress=False)))
-    run = result.policies["liar"]
+    result = asyncio.run(replay(workload, [NoCacheStrategy(), liar], ReplayOptions(progress=False)))
+    run = result.strategies["liar"]
     assert run.compared == 12
     assert run.incorrect_hits == 1 and run.wrong_answers == 2 and run.nondeterministic == 0
     hit, executed = sorted(run.examples, key=lambda e: not e["hit"])
@@ -208,12 +209,12 @@ def test_a_planted_wrong_hit_is_counted() -> None:
     assert executed["task"] == "t1" and executed["rollout"] == "r1" and executed["call"] == 0
     assert not executed["hit"] and "planted" in hit["got"] and "planted" in executed["got"]
     honest = Liar("honest", {})
-    result = asyncio.run(replay(workload, [NoCachePolicy(), honest], ReplayOptions(progress=False)))
-    assert result.policies["honest"].incorrect_hits == 0 and result.policies["honest"].hit_rate == 1.0
+    result = asyncio.run(replay(workload, [NoCacheStrategy(), honest], ReplayOptions(progress=False)))
+    assert result.strategies["honest"].incorrect_hits == 0 and result.strategies["honest"].hit_rate == 1.0
 
 
 def test_an_answer_that_depends_on_the_pace_of_calls_is_not_counted_as_wrong() -> None:
-    """A policy that pauses between calls (snapshots, waits) gets another answer from a tool that looks at
+    """A strategy that pauses between calls (snapshots, waits) gets another answer from a tool that looks at
     the time between calls, as git does with file times: a paced uncached re-execution reproduces it."""
     import time
 
@@ -226,11 +227,11 @@ def test_an_answer_that_depends_on_the_pace_of_calls_is_not_counted_as_wrong() -
     traces = [Trace("t", "r", "", [TraceCall("tick", {"i": i}) for i in range(3)])]
     workload = Workload("ticks", traces, lambda task: boxes, Tools())
 
-    class Slow(NoCachePolicy):
+    class Slow(NoCacheStrategy):
         name = "slow"
 
         @contextlib.asynccontextmanager
-        async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[PolicyRollout]:
+        async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[StrategyRollout]:
             async with super().rollout(task, sandboxes, tools) as inner:
 
                 class Paused:
@@ -240,8 +241,8 @@ def test_an_answer_that_depends_on_the_pace_of_calls_is_not_counted_as_wrong() -
 
                 yield Paused()
 
-    result = asyncio.run(replay(workload, [NoCachePolicy(), Slow()], ReplayOptions(progress=False)))
-    run = result.policies["slow"]
+    result = asyncio.run(replay(workload, [NoCacheStrategy(), Slow()], ReplayOptions(progress=False)))
+    run = result.strategies["slow"]
     assert run.compared == 3 and run.nondeterministic == 2 and run.wrong_answers == 0
 
 
@@ -249,8 +250,8 @@ def test_without_an_oracle_nothing_is_compared() -> None:
     result = asyncio.run(
         replay(numbered_workload(1, 2, 2), [Liar("liar", {(0, 0): True})], ReplayOptions(progress=False))
     )
-    assert result.policies["liar"].incorrect_hits is None
-    assert result.summary()["policies"]["liar"]["speedup_total"] is None
+    assert result.strategies["liar"].incorrect_hits is None
+    assert result.summary()["strategies"]["liar"]["speedup_total"] is None
 
 
 def random_token(state: dict[str, str], call: Any) -> str:
@@ -261,14 +262,14 @@ def test_nondeterministic_tools_are_told_apart_from_wrong_answers() -> None:
     factory = PythonSandboxes(make=dict, run=random_token, fingerprint="random")
     traces = [Trace("t", f"r{r}", "", [TraceCall("token", {})]) for r in range(3)]
     workload = Workload("random", traces, lambda task: factory, Tools(read_only={"token"}))
-    verified = asyncio.run(replay_policies(workload, ["none", "tvcache"], ReplayOptions(progress=False, epochs=2)))
-    run = verified.policies["tvcache"]
+    verified = asyncio.run(replay_strategies(workload, ["none", "tvcache"], ReplayOptions(progress=False, epochs=2)))
+    run = verified.strategies["tvcache"]
     assert run.hits == 5 and run.incorrect_hits == 0 and run.nondeterministic == 6
     assert verified.oracle_nondeterministic == 3  # the oracle's own answers differ between epochs
     unverified = asyncio.run(
-        replay_policies(workload, ["none", "tvcache"], ReplayOptions(progress=False, verify=False))
+        replay_strategies(workload, ["none", "tvcache"], ReplayOptions(progress=False, verify=False))
     )
-    assert unverified.policies["tvcache"].incorrect_hits == 2
+    assert unverified.strategies["tvcache"].incorrect_hits == 2
 
 
 # -- failures -----------------------------------------------------------------------------------------------
@@ -290,12 +291,12 @@ def test_timeouts_and_crashes_end_the_rollout_and_are_reported() -> None:
         Trace("t", "crash", "", [TraceCall("ok", {}), TraceCall("crash", {}), TraceCall("ok", {})]),
     ]
     workload = Workload("faulty", traces, lambda task: factory, Tools())
-    result = asyncio.run(replay_policies(workload, ["none", "tvcache"], ReplayOptions(timeout=0.05, progress=False)))
-    for run in result.policies.values():
+    result = asyncio.run(replay_strategies(workload, ["none", "tvcache"], ReplayOptions(timeout=0.05, progress=False)))
+    for run in result.strategies.values():
         assert run.timeouts == 1 and run.failed_rollouts == 1, run.name
         assert run.errors == 2 and run.skipped == 3 and run.calls == 4
         assert run.first_error is not None and "the tool crashed" in run.first_error
-    assert result.policies["tvcache"].incorrect_hits == 0
+    assert result.strategies["tvcache"].incorrect_hits == 0
 
 
 # -- reports and the command line ------------------------------------------------------------------------------
@@ -311,7 +312,7 @@ def test_reports(tmp_path: Path) -> None:
     workload = synthetic.build_workload(synthetic.Params(tasks=2, rollouts=3, calls=5, cost_ms=1, capacity=0))
     try:
         result = asyncio.run(
-            replay_policies(workload, ["none", "naive", "paper", "tvcache"], ReplayOptions(epochs=2, progress=False))
+            replay_strategies(workload, ["none", "naive", "paper", "tvcache"], ReplayOptions(epochs=2, progress=False))
         )
     finally:
         asyncio.run(workload.close())
@@ -322,11 +323,11 @@ def test_reports(tmp_path: Path) -> None:
         assert name in text
     write_json(result, tmp_path / "out.json")
     figures = json.loads((tmp_path / "out.json").read_text())
-    for row in figures["policies"].values():
+    for row in figures["strategies"].values():
         for key in ("hit_rate", "incorrect_hits", "executions", "median_call_seconds", "total_tool_seconds"):
             assert key in row
-    assert figures["policies"]["none"]["executions"] == 2 * 2 * 3 * 5
-    assert len(figures["policies"]["tvcache"]["epoch_hit_rates"]) == 2
+    assert figures["strategies"]["none"]["executions"] == 2 * 2 * 3 * 5
+    assert len(figures["strategies"]["tvcache"]["epoch_hit_rates"]) == 2
     charts = write_charts(result, tmp_path / "charts")
     assert len(charts) == 3
     for chart in charts:
@@ -346,12 +347,12 @@ def test_replay_command_on_sqlite(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     chinook = str(workload_path("sql", "chinook", "chinook.sqlite"))
     argv = [str(tmp_path / "sql.jsonl"), "--sandbox", "sqlite", "--base", chinook, "--tasks", "2", "--epochs", "2"]
-    code = cli(["replay", *argv, "--policies", "none,tvcache", "--json", str(out), "--no-progress"])
+    code = cli(["replay", *argv, "--strategies", "none,tvcache", "--json", str(out), "--no-progress"])
     assert code == 0
     figures = json.loads(out.read_text())
-    assert figures["tasks"] == 2 and figures["rollouts"] == 6 and set(figures["policies"]) == {"none", "tvcache"}
-    assert figures["policies"]["tvcache"]["incorrect_hits"] == 0
-    assert figures["policies"]["tvcache"]["hit_rate"] > 0.5
+    assert figures["tasks"] == 2 and figures["rollouts"] == 6 and set(figures["strategies"]) == {"none", "tvcache"}
+    assert figures["strategies"]["tvcache"]["incorrect_hits"] == 0
+    assert figures["strategies"]["tvcache"]["hit_rate"] > 0.5
 
 
 def test_replay_command_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -368,19 +369,24 @@ def test_replay_command_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert cli(["replay", str(good), "--sandbox", "python:no_such_module_xyz:f"]) == 2
     assert "cannot import" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli(["replay", str(good), "--sandbox", "sqlite", "--policies", "none,magic"])
-    assert "unknown policy magic" in capsys.readouterr().err
+        cli(["replay", str(good), "--sandbox", "sqlite", "--strategies", "none,magic"])
+    assert "unknown strategy magic" in capsys.readouterr().err
 
 
 def test_replay_command_with_a_python_factory(tmp_path: Path) -> None:
     traces = synthetic.generate(synthetic.Params(tasks=2, rollouts=3, calls=4, cost_ms=0))
     write_traces(tmp_path / "kv.jsonl", traces)
     out = tmp_path / "out.json"
-    argv = ["replay", str(tmp_path / "kv.jsonl"), "--sandbox", "python:tvcache.bench.synthetic:make_sandboxes"]
+    argv = [
+        "replay",
+        str(tmp_path / "kv.jsonl"),
+        "--sandbox",
+        "python:tvcache_bench.workloads.synthetic:make_sandboxes",
+    ]
     assert cli([*argv, "--read-only", "read", "--json", str(out), "--no-progress"]) == 0
     figures = json.loads(out.read_text())
-    assert figures["policies"]["tvcache"]["incorrect_hits"] == 0
-    assert figures["policies"]["naive"]["compared"] == 24
+    assert figures["strategies"]["tvcache"]["incorrect_hits"] == 0
+    assert figures["strategies"]["naive"]["compared"] == 24
 
 
 def test_prefetch_warms_sandboxes_for_the_next_step() -> None:
@@ -388,10 +394,10 @@ def test_prefetch_warms_sandboxes_for_the_next_step() -> None:
         workload = synthetic.build_workload(synthetic.Params(tasks=6, rollouts=4, calls=4, cost_ms=2, capacity=0))
         try:
             options = ReplayOptions(batch=2, prefetch=prefetch, progress=False)
-            result = asyncio.run(replay_policies(workload, ["tvcache"], options))
+            result = asyncio.run(replay_strategies(workload, ["tvcache"], options))
         finally:
             asyncio.run(workload.close())
-        return result.policies["tvcache"].stats["warm"]
+        return result.strategies["tvcache"].stats["warm"]
 
     assert warm(True) > 0
     assert warm(False) == 0
@@ -399,10 +405,10 @@ def test_prefetch_warms_sandboxes_for_the_next_step() -> None:
 
 def test_quick_reduced() -> None:
     figures = quick.run(small=True)
-    policies = figures["policies"]
-    assert policies["tvcache"]["incorrect_hits"] == 0
-    assert policies["paper"]["incorrect_hits"] == 0
-    assert policies["naive"]["incorrect_hits"] > 0
+    strategies = figures["strategies"]
+    assert strategies["tvcache"]["incorrect_hits"] == 0
+    assert strategies["paper"]["incorrect_hits"] == 0
+    assert strategies["naive"]["incorrect_hits"] > 0
 
 
 def test_synthetic_scale_reduced() -> None:
@@ -425,16 +431,18 @@ def test_setup_runs_once_before_every_rollout(tmp_path: Path) -> None:
     write_traces(traces, [Trace("t", f"r{r}", "", [TraceCall("sql", {"query": "SELECT x FROM t"})]) for r in range(2)])
     out = tmp_path / "out.json"
     argv = ["replay", str(traces), "--sandbox", "sqlite", "--base", str(base), "--no-progress", "--json", str(out)]
-    assert cli([*argv, "--setup", "INSERT INTO t VALUES (42);", "--policies", "none,tvcache"]) == 0
+    assert cli([*argv, "--setup", "INSERT INTO t VALUES (42);", "--strategies", "none,tvcache"]) == 0
     figures = json.loads(out.read_text())
-    assert figures["policies"]["tvcache"]["hit_rate"] == 0.5 and figures["policies"]["tvcache"]["incorrect_hits"] == 0
+    assert (
+        figures["strategies"]["tvcache"]["hit_rate"] == 0.5 and figures["strategies"]["tvcache"]["incorrect_hits"] == 0
+    )
     assert base.read_bytes() == before
     assert cli([*argv, "--setup", "INSERT INTO nowhere VALUES (1);"]) == 2
 
 
 def test_workspace_setup(tmp_path: Path) -> None:
     """`--setup` on a workspace: a shell command run once in a sandbox, whose snapshot every rollout starts from."""
-    from tvcache.bench.workload import load_workload
+    from tvcache_bench.workload import load_workload
 
     base = tmp_path / "project"
     base.mkdir()

@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 
 import tvcache
-from tvcache.bench import sql, sqlquery, tpch
-from tvcache.bench.data import workloads_dir
-from tvcache.bench.traces import Trace
-from tvcache.bench.workload import Workload
+from tvcache_bench.data import workloads_dir
+from tvcache_bench.traces import Trace
+from tvcache_bench.workload import Workload
+from tvcache_bench.workloads import sql
+from tvcache_bench.workloads.sql import queries as sqlquery
+from tvcache_bench.workloads.sql import tpch
 
 STATE_CHANGING = re.compile(r"^\s*(CREATE|INSERT|DROP)\b", re.IGNORECASE)
 

@@ -272,7 +272,7 @@ def test_snapshot_and_restore_are_independent(shm: Path) -> None:
 
 
 def test_a_snapshot_of_an_unwritten_database_is_a_link_not_a_copy(shm: Path) -> None:
-    """Policies that snapshot after every call would copy a large database each time; a database nobody
+    """Strategies that snapshot after every call would copy a large database each time; a database nobody
     wrote since it equalled an immutable file shares that file. Written ones are copied, and every restore
     sees exactly the state it was snapshotted in."""
 

@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 
-from tvcache.bench import airline, airline_bench, replay_cli, swe
-from tvcache.bench.data import workload_path
-from tvcache.bench.replay import ReplayOptions
-from tvcache.bench.traces import read_traces
 from tvcache.calls import ToolCall
+from tvcache_bench import cli as replay_cli
+from tvcache_bench.data import workload_path
+from tvcache_bench.replay import ReplayOptions
+from tvcache_bench.traces import read_traces
+from tvcache_bench.workloads import airline, swe
+from tvcache_bench.workloads.airline import bench as airline_bench
 
 TMP = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
@@ -27,9 +29,9 @@ TMP = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 def test_airline_rollouts_under_tvcache_match_the_uncached_answers_and_final_states() -> None:
     options = ReplayOptions(batch=2, epochs=2, concurrency=8, progress=False)
     result, states = asyncio.run(
-        airline_bench.bench(tasks=6, latency=0.0, options=options, policies=["none", "naive", "tvcache"])
+        airline_bench.bench(tasks=6, latency=0.0, options=options, strategies=["none", "naive", "tvcache"])
     )
-    tvcache = result.policies["tvcache"]
+    tvcache = result.strategies["tvcache"]
     assert result.rollouts == 24 and tvcache.calls == 2 * result.calls_per_epoch
     assert tvcache.compared == tvcache.calls and tvcache.incorrect_hits == 0 and tvcache.wrong_answers == 0
     assert tvcache.errors == 0 and tvcache.failed_rollouts == 0
@@ -37,7 +39,7 @@ def test_airline_rollouts_under_tvcache_match_the_uncached_answers_and_final_sta
     assert tvcache.epoch_hits[1] == tvcache.epoch_calls[1]
     assert states is not None and states.rollouts == 48 and states.ok and states.detached == 0
     # The reference run was worth having: the naive cache did serve a stale answer on these tasks.
-    assert (result.policies["naive"].incorrect_hits or 0) > 0
+    assert (result.strategies["naive"].incorrect_hits or 0) > 0
 
 
 def test_the_final_state_check_catches_a_write_taken_for_a_read() -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tvcache.bench.data import workload_path
-from tvcache.bench.traces import Trace, TraceCall, TraceError, read_traces, task_order, write_traces
-from tvcache.bench.workload import first_tasks
+from tvcache_bench.data import workload_path
+from tvcache_bench.traces import Trace, TraceCall, TraceError, read_traces, task_order, write_traces
+from tvcache_bench.workload import first_tasks
 
 GOOD = {
     "task": "t1",

@@ -17,6 +17,7 @@ from .rollout import Result, Rollout
 from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
 from .stores.base import Store, StoreError
 from .sync import SyncRollout, SyncToolCache
+from .version import __version__
 
 __all__ = [
     "Entry",
@@ -37,8 +38,8 @@ __all__ = [
     "ToolCall",
     "Tools",
     "WorkspaceSandboxes",
+    "__version__",
 ]
-__version__ = "0.1.0"
 
 _BACKENDS = {
     "PythonSandboxes": "tvcache.sandboxes.python",

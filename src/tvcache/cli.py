@@ -1,78 +1,45 @@
-"""The `tvcache` command: `bench`, `replay`, `serve`, `stats`."""
+"""The `tvcache` command: `serve` and `stats` (the library), `bench` and `replay` (the benchmarks).
+
+Each group of commands lives with what it runs; this module only dispatches, and loads the benchmarks only
+for their own commands, so `tvcache serve` starts without them.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 __all__ = ["main"]
 
-BENCHES = {
-    "quick": "the main job: one minute of SQL rollouts, tvcache against no cache, a naive cache and the paper's policy",
-    "sql": "SQL rollouts on the real databases (Spider-de, Geography) plus seconds-long TPC-H queries",
-    "swe": "SWE-agent bash rollouts (traces/swe-dev.jsonl) in workspace sandboxes holding each project",
-    "airline": "tau-bench airline rollouts (traces/tau-airline.jsonl) on the 14 airline tools",
-    "synthetic": "a parametric GRPO workload for scale: thousands of rollouts, 10^5+ graph nodes",
-    "overhead": "the cache's own cost per call, hit and miss, for the memory and SQLite stores",
-    "sandbox": "workspace sandbox create / snapshot / restore / exec next to cp -a of the same base",
-    "server": "the shared server's lookups/s and latency at 1, 8 and 32 clients and at 256 requests/s",
-    "redis": "lookups/s through the Redis store at 1 and 32 clients",
+_BENCH_COMMANDS = {
+    "bench": "run a benchmark workload and print its figures (tvcache_bench)",
+    "replay": "replay recorded rollouts (JSONL traces) under several caches and compare them (tvcache_bench)",
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .bench import replay_cli
     from .server import cli as server_cli
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="tvcache", description="A stateful tool-value cache for agent RL.")
     commands = parser.add_subparsers(dest="command", required=True)
-    bench = commands.add_parser("bench", help="run a benchmark workload and print its figures")
-    bench.add_argument("workload", choices=list(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
-    bench.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT")
-    bench.add_argument("--base", help="(sandbox) the base directory to measure; default: a generated 300 MB tree")
-    replay_cli.add_bench_options(bench)
-    replay_cli.add_commands(commands)
     server_cli.add_commands(commands)
+    wants_bench = next((a for a in argv if not a.startswith("-")), None) in _BENCH_COMMANDS
+    if wants_bench:
+        try:
+            from tvcache_bench import cli as bench_cli
+        except ImportError as exc:
+            missing = f"tvcache: the benchmarks are not installed ({exc}); run: pip install -e '.[bench]'"
+            raise SystemExit(missing) from None
+        bench_cli.add_commands(commands)
+    else:
+        for name, help in _BENCH_COMMANDS.items():  # listed in --help; loaded only when chosen
+            commands.add_parser(name, help=help, add_help=False)
     args = parser.parse_args(argv)
-
-    if args.command == "replay":
-        return replay_cli.run_command(args)
     if args.command in server_cli.COMMANDS:
         return server_cli.run_command(args)
-    results = _bench(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2, default=str)
-    return 0
-
-
-def _bench(args: argparse.Namespace) -> Any:
-    workload = args.workload
-    if workload in ("quick", "synthetic", "sql", "swe", "airline"):
-        from .bench import replay_cli
-
-        return replay_cli.run_bench(args)
-    if workload == "overhead":
-        from .bench import overhead
-
-        return overhead.run()
-    if workload == "sandbox":
-        from .bench import sandbox
-
-        return asyncio.run(sandbox.main(args.base))
-    if workload == "server":
-        from .bench import server
-
-        return server.run()
-    if workload == "redis":
-        from .bench import redis_store
-
-        return redis_store.run()
-    raise AssertionError(workload)
+    return bench_cli.run_command(args)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,9 @@ from typing import Any
 
 import msgspec
 
-from .. import __version__
 from ..graph import Entry
 from ..stores.base import Store, StoreError, TaskInfo
-from . import openapi
-from .counters import Counters, Latency
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .metrics import Metrics
-from .wire import (
+from ..stores.wire import (
     ENDPOINTS,
     AddSnapshotRequest,
     DropSnapshotRequest,
@@ -46,6 +41,11 @@ from .wire import (
     WaitRequest,
     WireEntry,
 )
+from ..version import __version__
+from . import openapi
+from .counters import Counters, Latency
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
 
 __all__ = ["CacheApp", "create_app"]
 

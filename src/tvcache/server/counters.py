@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .wire import Series, StatsReply, TaskTotals, Totals
+from ..stores.wire import Series, StatsReply, TaskTotals, Totals
 
 __all__ = ["BUCKETS", "Counters", "Latency"]
 

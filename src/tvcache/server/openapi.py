@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from .wire import ENDPOINTS, ErrorReply
+from ..stores.wire import ENDPOINTS, ErrorReply
 
 __all__ = ["document"]
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import os
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
-from rich.console import Console
-from rich.table import Table
 
 from ..stores.base import TaskInfo
-from .wire import StatsReply
+from ..stores.wire import StatsReply
 
 __all__ = ["fetch_stats", "print_stats"]
 
@@ -37,21 +36,32 @@ def fetch_stats(url: str, token: str | None = None) -> tuple[StatsReply, list[Ta
     return _get(url, "/v1/stats", token, StatsReply), _get(url, "/v1/tasks", token, list[TaskInfo])
 
 
-def print_stats(url: str, token: str | None = None, console: Console | None = None) -> StatsReply:
+def format_table(rows: Sequence[tuple[str, ...]], header: tuple[str, ...] | None = None) -> str:
+    """Plain text columns: the first left-aligned, the others right-aligned (figures)."""
+    lines = [header, *rows] if header else list(rows)
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
+    out = []
+    for n, row in enumerate(lines):
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True)]
+        out.append("  ".join(cells).rstrip())
+        if header and n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def print_stats(url: str, token: str | None = None) -> StatsReply:
     """Print the stats of the server at `url` (token: argument, URL userinfo or TVCACHE_TOKEN)."""
-    console = console or Console()
     stats, tasks = fetch_stats(url, token)
     t = stats.totals
-    answered = t.hits + t.waited_hits
-    table = Table(title=f"tvcache server {urlsplit(url).netloc.rpartition('@')[2]} · {stats.store}", show_header=False)
-    table.add_column("counter")
-    table.add_column("value", justify="right")
+    # One count of hits everywhere: answered from an entry, whether at once or after waiting for a
+    # concurrent execution of the same call; the hit rate is those over all lookups.
+    hits = t.hits + t.waited_hits
     rows = [
         ("uptime", f"{stats.uptime:,.0f} s"),
         ("lookups", f"{t.lookups:,}"),
-        ("hits", f"{t.hits:,}"),
-        ("waited hits (single flight)", f"{t.waited_hits:,}"),
-        ("hit rate", f"{answered / t.lookups:.1%}" if t.lookups else "-"),
+        ("hits", f"{hits:,}"),
+        ("  of which after waiting (single flight)", f"{t.waited_hits:,}"),
+        ("hit rate (hits / lookups)", f"{hits / t.lookups:.1%}" if t.lookups else "-"),
         ("misses", f"{t.misses:,}"),
         ("records (executions)", f"{t.records:,}"),
         ("released claims (failed executions)", f"{t.releases:,}"),
@@ -68,23 +78,23 @@ def print_stats(url: str, token: str | None = None, console: Console | None = No
             rows.append(
                 (f"lookups/s (last {span:.0f} s)", f"{(series.lookups[-1] - series.lookups[-1 - window]) / span:,.1f}")
             )
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    print(f"tvcache server {urlsplit(url).netloc.rpartition('@')[2]} · {stats.store}")
+    print(format_table(rows))
     if stats.tasks:
         names = {info.key: info for info in tasks}
-        per_task = Table(title="per task")
-        for column in ("namespace", "task", "lookups", "hit rate", "records", "tool time saved"):
-            per_task.add_column(column, justify="left" if column in ("namespace", "task") else "right")
+        per_task = []
         for key, c in sorted(stats.tasks.items(), key=lambda kv: -kv[1].lookups):
             info = names.get(key)
-            per_task.add_row(
-                info.namespace if info else "?",
-                info.task if info else key[:12],
-                f"{c.lookups:,}",
-                f"{c.hits / c.lookups:.1%}" if c.lookups else "-",
-                f"{c.records:,}",
-                f"{c.seconds_saved:,.1f} s",
+            per_task.append(
+                (
+                    f"{info.namespace}/{info.task}" if info else key[:12],
+                    f"{c.lookups:,}",
+                    f"{c.hits:,}",
+                    f"{c.hits / c.lookups:.1%}" if c.lookups else "-",
+                    f"{c.records:,}",
+                    f"{c.seconds_saved:,.1f} s",
+                )
             )
-        console.print(per_task)
+        print("\nper task")
+        print(format_table(per_task, ("namespace/task", "lookups", "hits", "hit rate", "records", "tool time saved")))
     return stats

@@ -26,7 +26,8 @@ import msgspec
 from yarl import URL
 
 from ..graph import Entry
-from ..server.wire import (
+from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo
+from .wire import (
     AddSnapshotRequest,
     DropSnapshotRequest,
     ErrorReply,
@@ -43,7 +44,6 @@ from ..server.wire import (
     WaitRequest,
     WireEntry,
 )
-from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo
 
 __all__ = ["HTTPStore"]
 

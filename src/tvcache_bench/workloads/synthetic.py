@@ -14,7 +14,7 @@ calls execute at once (the machine's cores), so work a cache duplicates delays o
 
 Two measurements:
 
-- `compare`: the four policies on the replay engine (outputs checked against no cache), moderate size.
+- `compare`: the four strategies on the replay engine (outputs checked against no cache), moderate size.
 - `scale`: tvcache alone on the memory store with zero-cost tools, thousands of rollouts growing the graph
   past 10^5 nodes; at checkpoints it reports the graph's size, the process's resident memory growth per
   entry, and the cost of a hit (re-running earlier rollouts, which then only hit) as the graph grows.
@@ -34,14 +34,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..cache import ToolCache
-from ..calls import ToolCall, Tools
-from ..graph import EDGE
-from ..sandboxes.python import PythonSandboxes
-from .replay import ReplayOptions, percentile, replay_policies, resident_kb
-from .report import format_bytes, print_table, wide_console, write_charts
-from .traces import Trace, TraceCall
-from .workload import Workload
+from tvcache.cache import ToolCache
+from tvcache.calls import ToolCall, Tools
+from tvcache.graph import EDGE
+from tvcache.sandboxes.python import PythonSandboxes
+
+from ..replay import ReplayOptions, percentile, replay_strategies, resident_kb
+from ..report import format_bytes, print_table, wide_console, write_charts
+from ..traces import Trace, TraceCall
+from ..workload import Workload
 
 __all__ = ["KEYS", "TOOLS", "Params", "build_workload", "generate", "make_sandboxes", "run", "run_tool", "scale"]
 
@@ -114,7 +115,7 @@ def generate(p: Params) -> list[Trace]:
         for rollout in range(p.rollouts):
             picks = rng.choices(range(p.branching), weights, k=p.calls)
             calls = [_candidate(task, i, k, p) for i, k in enumerate(picks)]
-            traces.append(Trace(f"synthetic-{task}", f"r{rollout}", "tvcache.bench.synthetic", calls))
+            traces.append(Trace(f"synthetic-{task}", f"r{rollout}", "tvcache_bench.workloads.synthetic", calls))
     return traces
 
 
@@ -133,7 +134,7 @@ def build_workload(p: Params) -> Workload:
 async def compare(p: Params, options: ReplayOptions) -> Any:
     workload = build_workload(p)
     try:
-        return await replay_policies(workload, ["none", "naive", "paper", "tvcache"], options)
+        return await replay_strategies(workload, ["none", "naive", "paper", "tvcache"], options)
     finally:
         await workload.close()
 

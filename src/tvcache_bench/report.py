@@ -1,7 +1,7 @@
 """Reports of a replay: a rich table, a JSON file and PNG charts.
 
-The charts follow the paper's figures: hit rate per epoch per policy (grouped bars) and the distribution of
-per-call tool time with and without the cache (CDF on a log time axis), plus total tool time per policy.
+The charts follow the paper's figures: hit rate per epoch per strategy (grouped bars) and the distribution of
+per-call tool time with and without the cache (CDF on a log time axis), plus total tool time per strategy.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .replay import PolicyRun, ReplayResult, percentile
+from .replay import ReplayResult, StrategyRun, percentile
 
 __all__ = ["format_bytes", "format_seconds", "print_table", "wide_console", "write_charts", "write_json"]
 
-# One colour per policy, the same in every chart.
+# One colour per strategy, the same in every chart.
 COLORS = {"none": "#7f7f7f", "naive": "#d62728", "paper": "#1f77b4", "tvcache": "#2ca02c"}
-LABELS = {"none": "no cache", "naive": "naive (tool, args)", "paper": "published policy", "tvcache": "tvcache"}
+LABELS = {"none": "no cache", "naive": "naive (tool, args)", "paper": "published strategy", "tvcache": "tvcache"}
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -64,7 +64,7 @@ def print_table(result: ReplayResult, console: Console | None = None) -> None:
         title_justify="left",
     )
     for name, justify in [
-        ("policy", "left"),
+        ("strategy", "left"),
         ("hit rate", "right"),
         ("executions", "right"),
         ("median call", "right"),
@@ -76,7 +76,7 @@ def print_table(result: ReplayResult, console: Console | None = None) -> None:
         ("peak memory", "right"),
     ]:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for name, row in summary["policies"].items():
+    for name, row in summary["strategies"].items():
         incorrect = row["incorrect_hits"]
         shown = "-" if incorrect is None else f"[bold red]{incorrect}[/]" if incorrect else "[green]0[/]"
         executions = f"{row['executions']}" + (f" +{row['replays']} replayed" if row["replays"] else "")
@@ -102,9 +102,9 @@ def _footnotes(result: ReplayResult, summary: dict[str, Any]) -> list[str]:
     lines = []
     if result.notes:
         lines.append(f"data: {result.notes}")
-    policies = summary["policies"]
-    if "tvcache" in policies:
-        row = policies["tvcache"]
+    strategies = summary["strategies"]
+    if "tvcache" in strategies:
+        row = strategies["tvcache"]
         misses = row["calls"] - row["hits"]
         lines.append(
             f"tvcache: {row['warm']} of {misses} misses started from a prefetched (warm) sandbox; "
@@ -112,7 +112,7 @@ def _footnotes(result: ReplayResult, summary: dict[str, Any]) -> list[str]:
             f"flight) and took about as long as executing it; {int(row['stats'].get('mismatches', 0))} replay "
             "mismatches"
         )
-    for name, row in policies.items():
+    for name, row in strategies.items():
         wrong, hits = row["wrong_answers"], row["incorrect_hits"]
         if wrong and wrong != hits:
             lines.append(f"{name}: {wrong} wrong answers in all, {wrong - hits} of them executed in a wrong state")
@@ -132,8 +132,8 @@ def _footnotes(result: ReplayResult, summary: dict[str, Any]) -> list[str]:
             f"warning: {result.oracle_nondeterministic} uncached answers differed between epochs: some tool is "
             "not deterministic, so some 'incorrect' answers may be noise"
         )
-    if "none" not in policies:
-        lines.append("no 'none' policy in this run: correctness and speedups were not measured")
+    if "none" not in strategies:
+        lines.append("no 'none' strategy in this run: correctness and speedups were not measured")
     return lines
 
 
@@ -167,7 +167,7 @@ def _style(ax: Any) -> None:
 def _hit_rate_chart(result: ReplayResult, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
-    runs = [r for r in result.policies.values() if r.name != "none"]
+    runs = [r for r in result.strategies.values() if r.name != "none"]
     if not runs:
         return None
     epochs = result.options.epochs
@@ -193,7 +193,7 @@ def _hit_rate_chart(result: ReplayResult, path: Path) -> Path | None:
 def _call_time_chart(result: ReplayResult, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
-    runs = [r for r in result.policies.values() if r.samples]
+    runs = [r for r in result.strategies.values() if r.samples]
     if not runs:
         return None
     fig, ax = plt.subplots(figsize=(6.0, 3.6), dpi=150)
@@ -223,7 +223,7 @@ def _call_time_chart(result: ReplayResult, path: Path) -> Path | None:
 def _tool_time_chart(result: ReplayResult, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
-    runs: list[PolicyRun] = list(result.policies.values())
+    runs: list[StrategyRun] = list(result.strategies.values())
     if not runs:
         return None
     base = result.baseline

@@ -2,7 +2,7 @@
 
 **Data.** `traces/tau-airline.jsonl`: sierra-research/tau-bench's `historical_trajectories/gpt-4o-airline.json`
 (MIT), 50 tasks x 4 GPT-4o rollouts, 1,164 tool calls, against the airline database of
-`../shared/workloads/tau-airline/`. The tools are `tvcache.bench.airline` (written for this project); before
+`../shared/workloads/tau-airline/`. The tools are `tvcache_bench.workloads.airline` (written for this project); before
 replaying, the bench checks them against the outputs the traces recorded and prints the match rate
 (`airline.conformance()`).
 
@@ -15,7 +15,7 @@ the tools never change in place, so it takes microseconds where a deep copy take
 **Latency model.** The tools run in-process in microseconds, where a deployed agent's tools are calls to a
 booking service. Each tool execution therefore waits a fixed `latency` (default 50 ms, `--latency`, 0 to
 turn it off) before running: a stand-in for the round trip to that service, paid by every execution
-whatever the policy (including the re-executions tvcache and the published policy do to rebuild a state),
+whatever the strategy (including the re-executions tvcache and the published strategy do to rebuild a state),
 never by a cache hit. Snapshots and restores cost what copying the tables costs (microseconds): the state
 lives with the trainer, as tau-bench's does. Tool-time speedups therefore measure executions avoided at
 50 ms each; with `--latency 0` they measure Python overheads only and mean little.
@@ -37,17 +37,18 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..calls import ToolCall, Tools
-from ..rollout import Result
-from ..sandboxes.base import Sandboxes
-from ..sandboxes.python import PythonSandboxes
-from . import airline
-from .data import workload_path
-from .policies import POLICIES, Policy, PolicyRollout, make_policy
-from .replay import ReplayOptions, ReplayResult, replay
-from .report import print_table, wide_console, write_charts
-from .traces import read_traces, task_order
-from .workload import Workload, first_tasks
+from tvcache.calls import ToolCall, Tools
+from tvcache.rollout import Result
+from tvcache.sandboxes.base import Sandboxes
+from tvcache.sandboxes.python import PythonSandboxes
+
+from ...data import workload_path
+from ...replay import ReplayOptions, ReplayResult, replay
+from ...report import print_table, wide_console, write_charts
+from ...strategies import STRATEGIES, Strategy, StrategyRollout, make_strategy
+from ...traces import read_traces, task_order
+from ...workload import Workload, first_tasks
+from .. import airline
 
 __all__ = [
     "LATENCY",
@@ -130,7 +131,7 @@ def build_workload(tasks: int | None = None, *, latency: float = LATENCY) -> Wor
 
 @dataclass
 class RolloutPath:
-    """One rollout as a cached policy saw it: its calls in order, and which of them moved its cursor."""
+    """One rollout as a cached strategy saw it: its calls in order, and which of them moved its cursor."""
 
     task: str
     calls: list[ToolCall] = field(default_factory=list)
@@ -142,17 +143,17 @@ class RolloutPath:
         return [call for call, moved in zip(self.calls, self.moved, strict=True) if moved]
 
 
-class PathRecorder(Policy):
-    """tvcache (or any policy whose rollouts expose `cursor` and `detached`), remembering each rollout's
+class PathRecorder(Strategy):
+    """tvcache (or any strategy whose rollouts expose `cursor` and `detached`), remembering each rollout's
     path: which calls moved its cursor."""
 
-    def __init__(self, inner: Policy):
+    def __init__(self, inner: Strategy):
         self.inner = inner
         self.name = inner.name
         self.paths: list[RolloutPath] = []
 
     @contextlib.asynccontextmanager
-    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[PolicyRollout]:
+    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[StrategyRollout]:
         async with self.inner.rollout(task, sandboxes, tools) as r:
             path = RolloutPath(task)
             self.paths.append(path)
@@ -269,18 +270,18 @@ async def bench(
     tasks: int | None = None,
     latency: float = LATENCY,
     options: ReplayOptions | None = None,
-    policies: Sequence[str] = POLICIES,
+    strategies: Sequence[str] = STRATEGIES,
     store: str | None = None,
 ) -> tuple[ReplayResult, FinalStates | None]:
-    """Replay the airline rollouts under `policies`; with tvcache among them, also check final states."""
+    """Replay the airline rollouts under `strategies`; with tvcache among them, also check final states."""
     options = options or ReplayOptions()
-    if len(set(policies)) != len(policies) or not policies:
-        raise ValueError(f"name each policy once, got {list(policies)}")
+    if len(set(strategies)) != len(strategies) or not strategies:
+        raise ValueError(f"name each strategy once, got {list(strategies)}")
     workload = build_workload(tasks, latency=latency)
-    made = [make_policy(name, store=store) for name in policies]
+    made = [make_strategy(name, store=store) for name in strategies]
     recorder = None
-    if "tvcache" in policies:
-        at = list(policies).index("tvcache")
+    if "tvcache" in strategies:
+        at = list(strategies).index("tvcache")
         recorder = PathRecorder(made[at])
         made[at] = recorder
     try:
@@ -299,11 +300,11 @@ def run(
     latency: float = LATENCY,
     batch: int = 4,
     concurrency: int = 8,
-    policies: Sequence[str] = POLICIES,
+    strategies: Sequence[str] = STRATEGIES,
     store: str | None = None,
     charts: str | None = None,
     progress: bool = True,
-    turns: Literal["step", "policy"] = "step",
+    turns: Literal["step", "strategy"] = "step",
 ) -> dict[str, Any]:
     """`tvcache bench airline`: conformance of the tools, then the replay; prints both, returns the figures."""
     console = wide_console()
@@ -316,7 +317,9 @@ def run(
     for line in report.summary().splitlines()[1:]:
         console.print(line, highlight=False, markup=False)
     options = ReplayOptions(batch=batch, epochs=epochs, concurrency=concurrency, progress=progress, turns=turns)
-    result, states = asyncio.run(bench(tasks=tasks, latency=latency, options=options, policies=policies, store=store))
+    result, states = asyncio.run(
+        bench(tasks=tasks, latency=latency, options=options, strategies=strategies, store=store)
+    )
     print_table(result, console)
     console.print(
         f"latency model: every tool execution waits {latency * 1000:g} ms (a simulated booking-service round trip; "
@@ -345,7 +348,7 @@ def describe(latency: float = LATENCY) -> str:
     return (
         "**airline** — `traces/tau-airline.jsonl`: tau-bench's historical GPT-4o trajectories "
         "(sierra-research/tau-bench, MIT), 50 airline tasks x 4 rollouts, 1,164 tool calls, replayed on the 14 "
-        "airline tools written for tvcache (`tvcache.bench.airline`) over tau-bench's airline database "
+        "airline tools written for tvcache (`tvcache_bench.workloads.airline`) over tau-bench's airline database "
         "(`tau-airline/`), in `PythonSandboxes`; read tools annotated read-only. The tools match the recorded "
         "outputs exactly on every call whose recorded output is its own (70 calls carry a later call's output, "
         "an artefact of the trace conversion). The tools run in microseconds, so each execution waits a "

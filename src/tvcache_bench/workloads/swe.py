@@ -60,11 +60,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..calls import ToolCall, Tools
-from ..sandboxes.base import Outcome, Sandbox, Sandboxes
-from .data import workload_path
-from .traces import read_traces, task_order
-from .workload import Workload, first_tasks
+from tvcache.calls import ToolCall, Tools
+from tvcache.sandboxes.base import Outcome, Sandbox, Sandboxes
+
+from ..data import workload_path
+from ..traces import read_traces, task_order
+from ..workload import Workload, first_tasks
 
 __all__ = [
     "SWE_BENCH_VERSIONS",
@@ -623,7 +624,7 @@ class _Masked:
 
 def make_sandboxes(base: Base, *, timeout: float = TIMEOUT, tmp: str | None = None) -> MaskedSandboxes:
     """Workspace sandboxes over `base`: /testbed and the environment, the network off."""
-    from ..sandboxes.workspace import WorkspaceSandboxes
+    from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
     workspace = WorkspaceSandboxes(
         {"/testbed": str(base.testbed), ENV_MOUNT: str(base.env)},
@@ -680,7 +681,7 @@ def build_workload(
         notes=f"{len(traces)} SWE-agent rollouts ({calls} bash calls) of {len(bases)} SWE-bench dev instances "
         f"from traces/swe-dev.jsonl (SWE-agent/mini-swe-agent, MIT), replayed in workspace sandboxes over the "
         f"PyPI sdists {', '.join(used)} with their test dependencies; network off, {timeout:g} s per command, "
-        "test durations masked. See tvcache.bench.swe.describe().",
+        "test durations masked. See tvcache_bench.workloads.swe.describe().",
     )
 
 

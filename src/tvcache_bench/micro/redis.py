@@ -29,8 +29,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..graph import EDGE, Entry, Scope, encode_output
-from ..stores.redis import RedisStore
+from tvcache.graph import EDGE, Entry, Scope, encode_output
+from tvcache.stores.redis import RedisStore
 
 __all__ = ["run", "throwaway_server"]
 

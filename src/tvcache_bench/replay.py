@@ -1,16 +1,16 @@
-"""Replaying a workload the way a GRPO training step runs it, under several caching policies.
+"""Replaying a workload the way a GRPO training step runs it, under several caching strategies.
 
 The schedule: the tasks (in the order they first appear) are cut into steps of `batch` tasks. In a step all
 rollouts of all its tasks run concurrently (at most `concurrency` at a time: rollout workers), each rollout
 issuing its calls in order. `epochs` repeats the whole sequence of steps, as training does with a dataset,
-which is where a cache reuses most. While a step runs, the policy is told the next step's tasks (tvcache
+which is where a cache reuses most. While a step runs, the strategy is told the next step's tasks (tvcache
 prefetches sandboxes for them in the background).
 
-Every policy runs the same schedule, step by step: all policies run step 1, one after the other so they do
+Every strategy runs the same schedule, step by step: all strategies run step 1, one after the other so they do
 not compete for the CPU, then all run step 2, and so on, so that a machine whose load changes during a long
-run does not favour one policy (`turns="policy"` runs each policy's whole schedule in turn instead, for
-sandboxes whose snapshots are too big to hold every policy's at once). `none` (no cache) runs each step
-first and its answers are the oracle: every answer of a cached policy is compared with `none`'s answer for
+run does not favour one strategy (`turns="strategy"` runs each strategy's whole schedule in turn instead, for
+sandboxes whose snapshots are too big to hold every strategy's at once). `none` (no cache) runs each step
+first and its answers are the oracle: every answer of a cached strategy is compared with `none`'s answer for
 the same epoch, rollout and call. A hit that differs is an incorrect hit; an executed answer can be wrong
 too, when a naive cache left the sandbox in the wrong state (`wrong_answers`). Before an answer that differs
 is counted, the rollout is executed once more, uncached, in a fresh sandbox: if that answer differs from the
@@ -19,11 +19,11 @@ oracle's as well, the tool is not deterministic there (`ls -la` printing times) 
 `oracle_nondeterministic`.
 
 Per call the engine times the wall seconds the rollout waits for the call (including any sandbox creation,
-restore, replay and snapshot the policy does for it). Peak memory is what a policy's steps grew the process
+restore, replay and snapshot the strategy does for it). Peak memory is what a strategy's steps grew the process
 by: per step, the peak resident set size during the step above the resident size at its start (Linux
 `VmHWM`, reset through `/proc/self/clear_refs` before each step; elsewhere `ru_maxrss`, which cannot be
-reset, so only a step that sets a new peak shows growth), summed over the policy's steps. It counts
-everything the policy holds in this process: cache entries and in-process snapshots (PythonSandboxes);
+reset, so only a step that sets a new peak shows growth), summed over the strategy's steps. It counts
+everything the strategy holds in this process: cache entries and in-process snapshots (PythonSandboxes);
 snapshot files on tmpfs (SQLite, workspace layers) are not in it and show in the snapshot counts instead.
 """
 
@@ -42,21 +42,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..graph import encode_output
-from ..rollout import Result
-from ..sandboxes.base import Sandboxes
-from .policies import Policy, as_cached, make_policy
+from tvcache.graph import encode_output
+from tvcache.rollout import Result
+from tvcache.sandboxes.base import Sandboxes
+
+from .strategies import Strategy, as_cached, make_strategy
 from .traces import Trace, task_order
 from .workload import Workload
 
 __all__ = [
-    "PolicyRun",
     "ReplayOptions",
     "ReplayResult",
     "Step",
+    "StrategyRun",
     "percentile",
     "replay",
-    "replay_policies",
+    "replay_strategies",
     "resident_kb",
     "schedule",
 ]
@@ -94,26 +95,26 @@ class ReplayOptions:
     epochs: int = 1
     concurrency: int = 8  # rollouts in flight at once
     timeout: float | None = None  # per call; a call that overruns ends its rollout
-    prefetch: bool = True  # tell the policy the next step's tasks while a step runs
+    prefetch: bool = True  # tell the strategy the next step's tasks while a step runs
     progress: bool = True  # rich progress bars on stderr
     verify: bool = True  # re-execute rollouts with wrong-looking answers to rule out nondeterministic tools
-    # "step": the policies take turns step by step (load drift falls on all alike); "policy": each runs the
-    # whole schedule in turn and is closed before the next starts, so only one policy's snapshots exist at a
+    # "step": the strategies take turns step by step (load drift falls on all alike); "strategy": each runs the
+    # whole schedule in turn and is closed before the next starts, so only one strategy's snapshots exist at a
     # time (for sandboxes whose snapshots are big: SQLite copies whole databases).
-    turns: Literal["step", "policy"] = "step"
+    turns: Literal["step", "strategy"] = "step"
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
-        if self.turns not in ("step", "policy"):
-            raise ValueError(f"turns must be 'step' or 'policy', got {self.turns!r}")
+        if self.turns not in ("step", "strategy"):
+            raise ValueError(f"turns must be 'step' or 'strategy', got {self.turns!r}")
 
 
 @dataclass
-class PolicyRun:
-    """What one policy did over the whole schedule."""
+class StrategyRun:
+    """What one strategy did over the whole schedule."""
 
     name: str
     epochs: int
@@ -148,7 +149,7 @@ class PolicyRun:
     def epoch_hit_rates(self) -> list[float]:
         return [h / c if c else 0.0 for h, c in zip(self.epoch_hits, self.epoch_calls, strict=True)]
 
-    def summary(self, baseline: PolicyRun | None) -> dict[str, Any]:
+    def summary(self, baseline: StrategyRun | None) -> dict[str, Any]:
         ordered = sorted(self.samples)
         median = percentile(ordered, 0.5)
         total = self.total_tool_seconds
@@ -158,7 +159,7 @@ class PolicyRun:
             speedup_total = baseline.total_tool_seconds / total if total > 0 else None
             speedup_median = base_median / median if median > 0 else None
         return {
-            "policy": self.name,
+            "strategy": self.name,
             "calls": self.calls,
             "hits": self.hits,
             "hit_rate": self.hit_rate,
@@ -202,12 +203,12 @@ class ReplayResult:
     rollouts: int
     calls_per_epoch: int
     steps: int
-    policies: dict[str, PolicyRun]
+    strategies: dict[str, StrategyRun]
     oracle_nondeterministic: int | None = None  # oracle answers that differed between epochs
 
     @property
-    def baseline(self) -> PolicyRun | None:
-        return self.policies.get("none")
+    def baseline(self) -> StrategyRun | None:
+        return self.strategies.get("none")
 
     def summary(self) -> dict[str, Any]:
         """Everything but the raw samples, as JSON values: what `--json` writes."""
@@ -222,7 +223,7 @@ class ReplayResult:
             "steps": self.steps,
             "oracle_nondeterministic": self.oracle_nondeterministic,
             "memory_measure": _memory_method(),
-            "policies": {name: run.summary(self.baseline) for name, run in self.policies.items()},
+            "strategies": {name: run.summary(self.baseline) for name, run in self.strategies.items()},
         }
 
 
@@ -241,7 +242,7 @@ def percentile(ordered: Sequence[float], q: float) -> float:
 Oracle = dict[tuple[int, int, int], bytes | None]  # (epoch, rollout, call) -> digest of none's answer
 
 
-async def replay_policies(
+async def replay_strategies(
     workload: Workload,
     names: Sequence[str],
     options: ReplayOptions,
@@ -249,38 +250,38 @@ async def replay_policies(
     store: str | None = None,
     namespace: str | None = None,
 ) -> ReplayResult:
-    """Replay `workload` under the named policies (see `policies.POLICIES`)."""
+    """Replay `workload` under the named strategies (see `strategies.STRATEGIES`)."""
     if len(set(names)) != len(names) or not names:
-        raise ValueError(f"name each policy once, got {list(names)}")
-    policies = [make_policy(n, store=store, namespace=namespace) for n in names]
-    return await replay(workload, policies, options)
+        raise ValueError(f"name each strategy once, got {list(names)}")
+    strategies = [make_strategy(n, store=store, namespace=namespace) for n in names]
+    return await replay(workload, strategies, options)
 
 
-async def replay(workload: Workload, policies: Sequence[Policy], options: ReplayOptions) -> ReplayResult:
-    """Replay `workload` under each policy (`none` first: it is the oracle) on the same schedule, step by
-    step: every policy runs step 1, then every policy runs step 2, and so on, so that a machine getting
-    busier or quieter during a long run shifts all policies alike instead of favouring the ones that ran
-    in the quiet part. Closes the policies; the workload stays open (its owner closes it)."""
+async def replay(workload: Workload, strategies: Sequence[Strategy], options: ReplayOptions) -> ReplayResult:
+    """Replay `workload` under each strategy (`none` first: it is the oracle) on the same schedule, step by
+    step: every strategy runs step 1, then every strategy runs step 2, and so on, so that a machine getting
+    busier or quieter during a long run shifts all strategies alike instead of favouring the ones that ran
+    in the quiet part. Closes the strategies; the workload stays open (its owner closes it)."""
     steps = schedule(workload.traces, options.batch, options.epochs)
-    order = sorted(policies, key=lambda p: p.name != "none")
+    order = sorted(strategies, key=lambda p: p.name != "none")
     factories = {task: workload.sandboxes(task) for task in task_order(workload.traces)}
     calls_per_epoch = sum(len(t.calls) for t in workload.traces)
     oracle: Oracle | None = {} if order[0].name == "none" else None
     progress = _progress(options.progress)
     engines: list[_Engine] = []
-    for policy in order:
-        run = PolicyRun(policy.name, options.epochs, epoch_calls=[0] * options.epochs)
+    for strategy in order:
+        run = StrategyRun(strategy.name, options.epochs, epoch_calls=[0] * options.epochs)
         run.epoch_hits = [0] * options.epochs
         run.peak_memory_bytes = 0
-        record = policy.name == "none"
-        engine = _Engine(workload, factories, policy, options, run, None if record else oracle)
+        record = strategy.name == "none"
+        engine = _Engine(workload, factories, strategy, options, run, None if record else oracle)
         engine.oracle_out = oracle if record else None
         engines.append(engine)
     try:
         with progress or _nothing():
             if progress is not None:
                 for engine in engines:
-                    bar = progress.add_task(engine.policy.name, total=calls_per_epoch * options.epochs)
+                    bar = progress.add_task(engine.strategy.name, total=calls_per_epoch * options.epochs)
                     engine.advance = functools.partial(progress.advance, bar)
             every = range(len(steps))
             if options.turns == "step":
@@ -290,15 +291,15 @@ async def replay(workload: Workload, policies: Sequence[Policy], options: Replay
             for engine, i in turns:
                 await engine.timed_step(steps, i)
                 if i == len(steps) - 1:  # its last step: free what it holds before others go on
-                    engine.run_.stats = dict(engine.policy.stats())
+                    engine.run_.stats = dict(engine.strategy.stats())
                     engine.closed = True
-                    await engine.policy.close()
+                    await engine.strategy.close()
     finally:
         for engine in engines:
             if not engine.closed:
                 with contextlib.suppress(Exception):
-                    await engine.policy.close()
-    runs = {engine.policy.name: engine.run_ for engine in engines}
+                    await engine.strategy.close()
+    runs = {engine.strategy.name: engine.run_ for engine in engines}
     if oracle is not None:
         verifier = _Verifier(workload, factories, options) if options.verify else None
         for engine in engines[1:]:
@@ -311,26 +312,26 @@ async def replay(workload: Workload, policies: Sequence[Policy], options: Replay
         rollouts=len(workload.traces),
         calls_per_epoch=calls_per_epoch,
         steps=len(steps),
-        policies=runs,
+        strategies=runs,
         oracle_nondeterministic=_nondeterministic(oracle, options.epochs) if oracle is not None else None,
     )
 
 
 class _Engine:
-    """One policy's pass over the schedule."""
+    """One strategy's pass over the schedule."""
 
     def __init__(
         self,
         workload: Workload,
         factories: dict[str, Sandboxes],
-        policy: Policy,
+        strategy: Strategy,
         options: ReplayOptions,
-        run: PolicyRun,
+        run: StrategyRun,
         oracle: Oracle | None,
     ):
         self.workload = workload
         self.factories = factories
-        self.policy = policy
+        self.strategy = strategy
         self.options = options
         self.run_ = run
         self.oracle = oracle
@@ -355,7 +356,7 @@ class _Engine:
             upcoming = steps[i + 1]
             tasks = [self.workload.traces[r].task for r in upcoming.rollouts]
             counts = {t: tasks.count(t) for t in upcoming.tasks}
-            await self.policy.prefetch(counts, self.factories)
+            await self.strategy.prefetch(counts, self.factories)
         slots = asyncio.Semaphore(self.options.concurrency)
         step = steps[i]
         await asyncio.gather(*(self.rollout(slots, step.epoch, r) for r in step.rollouts))
@@ -366,7 +367,7 @@ class _Engine:
         async with slots:
             start = time.perf_counter()
             try:
-                async with self.policy.rollout(trace.task, self.factories[trace.task], self.workload.tools) as r:
+                async with self.strategy.rollout(trace.task, self.factories[trace.task], self.workload.tools) as r:
                     for i, c in enumerate(trace.calls):
                         start = time.perf_counter()
                         try:
@@ -426,7 +427,7 @@ class _Mismatch:
     index: int
     call: int
     hit: bool
-    answer: bytes  # digest of the policy's answer
+    answer: bytes  # digest of the strategy's answer
     preview: str
 
     @property
@@ -441,17 +442,17 @@ class _Verifier:
 
     Some tools depend on timing instead, which a second run at the same pace reproduces faithfully: git
     compares file times in whole seconds, so `git checkout FILE` right after a rewrite of FILE with the
-    same content says "Updated 0 paths" and a second later "Updated 1 path". A policy's answers come at
+    same content says "Updated 0 paths" and a second later "Updated 1 path". A strategy's answers come at
     another pace (it snapshots, waits and restores between calls), so an executed answer (not a hit) whose
     mismatch the first re-execution does not explain is re-executed once more with `PACE` seconds before
-    every call; if that gives the policy's own answer, an uncached execution produced that answer too and
+    every call; if that gives the strategy's own answer, an uncached execution produced that answer too and
     it is not counted as wrong. Pacing costs a second a call, so it is done for at most `paced_rollouts`
-    rollouts per policy (the shortest); the mismatches of the others count as wrong."""
+    rollouts per strategy (the shortest); the mismatches of the others count as wrong."""
 
     PACE = 1.1  # seconds: more than the one-second granularity of file times in git's index
 
     def __init__(self, workload: Workload, factories: dict[str, Sandboxes], options: ReplayOptions):
-        self.paced_rollouts = options.concurrency  # paced re-executions per policy, at most
+        self.paced_rollouts = options.concurrency  # paced re-executions per strategy, at most
         self._workload = workload
         self._factories = factories
         self._options = options
@@ -491,10 +492,10 @@ class _Verifier:
 
 
 async def _judge(
-    workload: Workload, mismatches: list[_Mismatch], run: PolicyRun, oracle: Oracle, verifier: _Verifier | None
+    workload: Workload, mismatches: list[_Mismatch], run: StrategyRun, oracle: Oracle, verifier: _Verifier | None
 ) -> None:
     """Count each mismatch as a wrong answer, unless an uncached re-execution of its rollout disagreed with
-    the oracle as well, or gave the policy's answer when paced (see `_Verifier`). Unverifiable mismatches
+    the oracle as well, or gave the strategy's answer when paced (see `_Verifier`). Unverifiable mismatches
     count as wrong."""
     if verifier is not None and mismatches:
         await verifier.rerun(_furthest(mismatches))

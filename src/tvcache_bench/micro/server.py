@@ -147,8 +147,8 @@ async def _raw_closed(host: str, port: int, clients: int, seconds: float) -> dic
 
 
 async def _store_closed(url: str, clients: int, seconds: float) -> dict[str, float]:
-    from ..graph import Entry
-    from ..stores.http import HTTPStore
+    from tvcache.graph import Entry
+    from tvcache.stores.http import HTTPStore
 
     store = HTTPStore(url)
     rec = _Recorder()
@@ -175,8 +175,8 @@ async def _store_closed(url: str, clients: int, seconds: float) -> dict[str, flo
 
 async def _open_loop(url: str, host: str, port: int, client: str, rate: float, seconds: float) -> dict[str, float]:
     """Send at `rate` per second on schedule; latency counts from each request's due time."""
-    from ..graph import Entry
-    from ..stores.http import HTTPStore
+    from tvcache.graph import Entry
+    from tvcache.stores.http import HTTPStore
 
     loop = asyncio.get_running_loop()
     rec = _Recorder()
@@ -250,7 +250,7 @@ def _free_port() -> int:
 def _start_server(port: int, floor: bool = False) -> subprocess.Popen[bytes]:
     command = ["-m", "tvcache.server", "serve", "--port", str(port), "--log-level", "warning"]
     if floor:
-        command = ["-m", "tvcache.bench.server", "floor", str(port)]
+        command = ["-m", "tvcache_bench.micro.server", "floor", str(port)]
     proc = subprocess.Popen([sys.executable, *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _pin(proc.pid, 0)
     deadline = time.monotonic() + 30
@@ -267,8 +267,8 @@ def _start_server(port: int, floor: bool = False) -> subprocess.Popen[bytes]:
 
 
 async def _populate(url: str) -> None:
-    from ..graph import Entry
-    from ..stores.http import HTTPStore
+    from tvcache.graph import Entry
+    from tvcache.stores.http import HTTPStore
 
     store = HTTPStore(url)
     for i in range(ENTRIES):
@@ -290,7 +290,7 @@ def _cpu_seconds(pid: int) -> float:
 def _load(server: subprocess.Popen[bytes], url: str, *args: str) -> dict[str, float]:
     cpu = _cpu_seconds(server.pid)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tvcache.bench.server", "load", url, *args],
+        [sys.executable, "-m", "tvcache_bench.micro.server", "load", url, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

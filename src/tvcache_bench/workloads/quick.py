@@ -1,10 +1,10 @@
 """`tvcache bench quick`: the README's main job. Well under a minute on 2 cores.
 
 A mix of SQL rollouts on real databases (`../shared/workloads/sql/`), replayed under no cache, the naive
-(tool, args) cache, the published policy and tvcache, on the same GRPO schedule, with every answer checked
+(tool, args) cache, the published strategy and tvcache, on the same GRPO schedule, with every answer checked
 against the uncached one:
 
-- text-to-SQL tasks of the `sql` workload (`tvcache.bench.sql.build_workload`: Spider-de, Geography,
+- text-to-SQL tasks of the `sql` workload (`tvcache_bench.workloads.sql.build_workload`: Spider-de, Geography,
   Chinook questions; TPC-H left out, its queries take seconds each), when that module is installed;
 - `chinook-writes` (`chinook_workload`, below): questions over the Chinook database whose exploring agents
   also change data now and then (an UPDATE of prices, an INSERT, a DELETE of playlist entries) before
@@ -20,18 +20,19 @@ import inspect
 import random
 from typing import Any
 
-from ..calls import Tools
-from .data import workload_path
-from .replay import ReplayOptions, ReplayResult, replay_policies
-from .report import print_table, wide_console, write_charts
-from .traces import Trace, TraceCall, task_order
-from .workload import Workload, combine
+from tvcache.calls import Tools
 
-__all__ = ["POLICIES", "SIZES", "build", "chinook_workload", "quick", "run", "sql_workload"]
+from ..data import workload_path
+from ..replay import ReplayOptions, ReplayResult, replay_strategies
+from ..report import print_table, wide_console, write_charts
+from ..traces import Trace, TraceCall, task_order
+from ..workload import Workload, combine
 
-POLICIES = ("none", "naive", "paper", "tvcache")
+__all__ = ["SIZES", "STRATEGIES", "build", "chinook_workload", "quick", "run", "sql_workload"]
 
-# Full: well under a minute for all four policies on 2 cores. Small: a few seconds, for tests; its rollouts
+STRATEGIES = ("none", "naive", "paper", "tvcache")
+
+# Full: well under a minute for all four strategies on 2 cores. Small: a few seconds, for tests; its rollouts
 # run one at a time, so which answers a naive cache gets wrong does not depend on timing.
 SIZES: dict[str, dict[str, int]] = {
     "full": {"sql_tasks": 56, "chinook_tasks": 8, "rollouts": 8, "epochs": 3, "concurrency": 8},
@@ -42,9 +43,9 @@ SIZES: dict[str, dict[str, int]] = {
 async def sql_workload(tasks: int, rollouts: int, seed: int) -> Workload | None:
     """The `sql` workload's first `tasks` tasks without TPC-H, or None where that module is not installed."""
     try:
-        sql = importlib.import_module("tvcache.bench.sql")
+        sql = importlib.import_module("tvcache_bench.workloads.sql")
     except ModuleNotFoundError as exc:
-        if exc.name != "tvcache.bench.sql":
+        if exc.name != "tvcache_bench.workloads.sql":
             raise  # the module is there but something it needs is not: say so, do not hide it
         return None
     options: dict[str, Any] = {"tasks": tasks, "rollouts": rollouts, "seed": seed}
@@ -77,7 +78,7 @@ async def quick(size: str = "full", seed: int = 0, progress: bool = True) -> Rep
     workload = await build(size, seed)
     try:
         options = ReplayOptions(batch=4, epochs=s["epochs"], concurrency=s["concurrency"], progress=progress)
-        return await replay_policies(workload, POLICIES, options)
+        return await replay_strategies(workload, STRATEGIES, options)
     finally:
         await workload.close()
 
@@ -204,11 +205,11 @@ def chinook_rollout(task: int, rng: random.Random) -> list[TraceCall]:
 
 
 def chinook_workload(tasks: int, rollouts: int, seed: int = 0) -> Workload:
-    from ..sandboxes.sqlite import SQLiteSandboxes
+    from tvcache.sandboxes.sqlite import SQLiteSandboxes
 
     rng = random.Random(seed)
     traces = [
-        Trace(f"chinook-writes/{t}", f"r{r}", "tvcache.bench.quick (generated)", chinook_rollout(t, rng))
+        Trace(f"chinook-writes/{t}", f"r{r}", "tvcache_bench.workloads.quick (generated)", chinook_rollout(t, rng))
         for t in range(tasks)
         for r in range(rollouts)
     ]

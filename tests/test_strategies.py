@@ -1,6 +1,6 @@
-"""The four policies on a small stateful world (PythonSandboxes over a key-value store).
+"""The four strategies on a small stateful world (PythonSandboxes over a key-value store).
 
-The oracle is independent of every policy and sandbox: each rollout's calls applied in order to a plain dict.
+The oracle is independent of every strategy and sandbox: each rollout's calls applied in order to a plain dict.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import asyncio
 from typing import Any
 
 from tvcache import ToolCall, Tools
-from tvcache.bench import synthetic
-from tvcache.bench.policies import NaivePolicy, NoCachePolicy, PaperPolicy, Policy, TvCachePolicy
-from tvcache.bench.replay import ReplayOptions, replay_policies
-from tvcache.bench.workload import Workload
+from tvcache_bench.replay import ReplayOptions, replay_strategies
+from tvcache_bench.strategies import NaiveStrategy, NoCacheStrategy, PaperStrategy, Strategy, TvCacheStrategy
+from tvcache_bench.workload import Workload
+from tvcache_bench.workloads import synthetic
 
 Calls = list[tuple[str, dict[str, Any]]]
 
@@ -22,12 +22,14 @@ def oracle(calls: Calls) -> list[str]:
     return [asyncio.run(synthetic.run_tool(state, ToolCall(tool, args))) for tool, args in calls]
 
 
-async def run_rollouts(policy: Policy, plan: list[Calls], tools: Tools, concurrent: bool = False) -> list[list[Any]]:
+async def run_rollouts(
+    strategy: Strategy, plan: list[Calls], tools: Tools, concurrent: bool = False
+) -> list[list[Any]]:
     """Run rollouts of one task, one after the other (or all at once); each a list of results."""
     factory = synthetic.make_sandboxes()
 
     async def one(calls: Calls) -> list[Any]:
-        async with policy.rollout("task", factory, tools) as r:
+        async with strategy.rollout("task", factory, tools) as r:
             return [await r.call(tool, args) for tool, args in calls]
 
     try:
@@ -35,7 +37,7 @@ async def run_rollouts(policy: Policy, plan: list[Calls], tools: Tools, concurre
             return list(await asyncio.gather(*(one(c) for c in plan)))
         return [await one(c) for c in plan]
     finally:
-        await policy.close()
+        await strategy.close()
         await factory.close()
 
 
@@ -47,13 +49,13 @@ def read(key: str) -> tuple[str, dict[str, Any]]:
     return ("read", {"key": key})
 
 
-def test_every_policy_on_a_generated_workload_against_the_oracle() -> None:
-    """tvcache and the published policy are exact; the naive cache gives wrong answers, and hits."""
+def test_every_strategy_on_a_generated_workload_against_the_oracle() -> None:
+    """tvcache and the published strategy are exact; the naive cache gives wrong answers, and hits."""
     params = synthetic.Params(tasks=3, rollouts=6, calls=10, branching=3, read_fraction=0.5, cost_ms=0, seed=3)
     workload = synthetic.build_workload(params)
     try:
         result = asyncio.run(
-            replay_policies(
+            replay_strategies(
                 workload,
                 ["none", "naive", "paper", "tvcache"],
                 ReplayOptions(batch=2, epochs=2, concurrency=6, progress=False),
@@ -61,8 +63,8 @@ def test_every_policy_on_a_generated_workload_against_the_oracle() -> None:
         )
     finally:
         asyncio.run(workload.close())
-    runs = result.policies
-    # The oracle policy itself agrees with the plain-dict oracle (checked through a fresh replay below).
+    runs = result.strategies
+    # The oracle strategy itself agrees with the plain-dict oracle (checked through a fresh replay below).
     assert runs["none"].hits == 0 and runs["none"].stats["executions"] == runs["none"].calls
     for name in ("paper", "tvcache"):
         assert runs[name].incorrect_hits == 0 and runs[name].wrong_answers == 0, name
@@ -76,7 +78,7 @@ def test_every_policy_on_a_generated_workload_against_the_oracle() -> None:
 
 def test_none_matches_the_plain_oracle() -> None:
     plan = [[append("a", "x"), read("a"), append("a", "y"), read("a"), read("b")]]
-    (results,) = asyncio.run(run_rollouts(NoCachePolicy(), plan, Tools()))
+    (results,) = asyncio.run(run_rollouts(NoCacheStrategy(), plan, Tools()))
     assert [r.output for r in results] == oracle(plan[0])
     assert not any(r.hit for r in results)
 
@@ -84,18 +86,18 @@ def test_none_matches_the_plain_oracle() -> None:
 def test_naive_returns_stale_answers_and_skips_execution_on_hits() -> None:
     first = [append("a", "x"), read("a")]
     second = [read("a"), append("a", "x"), read("a")]
-    policy = NaivePolicy()
-    got = asyncio.run(run_rollouts(policy, [first, second], Tools()))
+    strategy = NaiveStrategy()
+    got = asyncio.run(run_rollouts(strategy, [first, second], Tools()))
     # The second rollout's first read hits the first rollout's "a=x": wrong in its fresh state.
     assert got[1][0].hit and got[1][0].output == "a=x" != oracle(second)[0]
-    assert policy.counters.executions == 2  # nothing of the second rollout executed
+    assert strategy.counters.executions == 2  # nothing of the second rollout executed
     assert [r.hit for r in got[1]] == [True, True, True]
 
 
 def test_naive_executes_in_a_sandbox_that_missed_hit_effects() -> None:
     first = [append("a", "x")]
     second = [append("a", "x"), read("a")]
-    got = asyncio.run(run_rollouts(NaivePolicy(), [first, second], Tools()))
+    got = asyncio.run(run_rollouts(NaiveStrategy(), [first, second], Tools()))
     assert got[1][0].hit and not got[1][1].hit
     assert got[1][1].output == "a=" != oracle(second)[1]  # executed in a state without the hit's append
 
@@ -104,57 +106,57 @@ def test_paper_keys_on_the_full_history_unless_annotated() -> None:
     first = [read("b"), append("a", "x"), read("a")]
     second = [append("a", "x"), read("a")]
     # Without annotations a read is part of the prefix: the second rollout's history differs, so it misses.
-    got = asyncio.run(run_rollouts(PaperPolicy(), [first, second], Tools()))
+    got = asyncio.run(run_rollouts(PaperStrategy(), [first, second], Tools()))
     assert [r.hit for r in got[1]] == [False, False]
     # Annotated read-only, reads are memos at their prefix and do not extend it: the append hits.
-    got = asyncio.run(run_rollouts(PaperPolicy(), [first, second], Tools(read_only={"read"})))
+    got = asyncio.run(run_rollouts(PaperStrategy(), [first, second], Tools(read_only={"read"})))
     assert [r.hit for r in got[1]] == [True, True]
     assert [r.output for r in got[1]] == oracle(second)
     # tvcache sees by itself that the read left the state alone (no annotation needed).
-    got = asyncio.run(run_rollouts(TvCachePolicy(), [first, second], Tools()))
+    got = asyncio.run(run_rollouts(TvCacheStrategy(), [first, second], Tools()))
     assert [r.hit for r in got[1]] == [True, True]
 
 
 def test_paper_snapshots_every_state_change_and_restores_the_deepest() -> None:
     first = [append("a", "x"), append("b", "y"), read("a")]
     second = [append("a", "x"), append("b", "y"), append("a", "z"), read("a")]
-    policy = PaperPolicy()
-    got = asyncio.run(run_rollouts(policy, [first, second], Tools(read_only={"read"})))
+    strategy = PaperStrategy()
+    got = asyncio.run(run_rollouts(strategy, [first, second], Tools(read_only={"read"})))
     assert [r.hit for r in got[1]] == [True, True, False, False]
     assert [r.output for r in got[1]] == oracle(second)
-    counters = policy.counters
+    counters = strategy.counters
     assert counters.snapshots == 3  # after each executed append: x, y, then z
     assert counters.restores == 1 and counters.replays == 0  # the miss restored the snapshot after "y"
 
 
 def test_paper_has_no_single_flight_and_tvcache_does() -> None:
     plan = [[("append", {"key": "a", "value": "x", "cost_ms": 20})]] * 4
-    paper, tv = PaperPolicy(), TvCachePolicy()
+    paper, tv = PaperStrategy(), TvCacheStrategy()
     asyncio.run(run_rollouts(paper, plan, Tools(), concurrent=True))
     asyncio.run(run_rollouts(tv, plan, Tools(), concurrent=True))
     assert paper.counters.executions == 4
     assert tv.stats()["executions"] == 1 and tv.stats()["waits"] == 3
 
 
-def test_policies_close_their_snapshots() -> None:
+def test_strategies_close_their_snapshots() -> None:
     factory = synthetic.make_sandboxes()
     plan = [append("a", "x"), append("b", "y"), ("append", {"key": "c", "value": "z", "cost_ms": 5})]
 
-    async def go(policy: Policy) -> int:
-        async with policy.rollout("task", factory, Tools()) as r:
+    async def go(strategy: Strategy) -> int:
+        async with strategy.rollout("task", factory, Tools()) as r:
             for tool, args in plan:
                 await r.call(tool, args)
         made = factory.snapshot_count
-        await policy.close()
+        await strategy.close()
         return made
 
-    for policy in (PaperPolicy(), TvCachePolicy()):
-        assert asyncio.run(go(policy)) > 0
-        assert factory.snapshot_count == 0, policy.name
+    for strategy in (PaperStrategy(), TvCacheStrategy()):
+        assert asyncio.run(go(strategy)) > 0
+        assert factory.snapshot_count == 0, strategy.name
 
 
 def test_workload_interface_accepts_per_task_factories() -> None:
-    """A workload may give each task its own factory; policies and the replay use the right one."""
+    """A workload may give each task its own factory; strategies and the replay use the right one."""
     factories: dict[str, Any] = {}
 
     def boxes(task: str) -> Any:
@@ -162,6 +164,6 @@ def test_workload_interface_accepts_per_task_factories() -> None:
 
     traces = synthetic.generate(synthetic.Params(tasks=2, rollouts=2, calls=4, cost_ms=0))
     workload = Workload("two", traces, boxes, synthetic.TOOLS)
-    result = asyncio.run(replay_policies(workload, ["none", "tvcache"], ReplayOptions(progress=False)))
+    result = asyncio.run(replay_strategies(workload, ["none", "tvcache"], ReplayOptions(progress=False)))
     assert sorted(factories) == ["synthetic-0", "synthetic-1"]
-    assert result.policies["tvcache"].incorrect_hits == 0
+    assert result.strategies["tvcache"].incorrect_hits == 0

@@ -17,9 +17,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..cache import ToolCache
-from ..calls import ToolCall
-from ..sandboxes.base import Outcome
+from tvcache.cache import ToolCache
+from tvcache.calls import ToolCall
+from tvcache.sandboxes.base import Outcome
 
 __all__ = ["run"]
 

@@ -1,46 +1,64 @@
-"""The `tvcache replay` command, and the `tvcache bench quick|synthetic|sql|swe|airline` handlers.
+"""The `tvcache bench` and `tvcache replay` commands.
 
-Wiring (in `tvcache.cli`): `replay_cli.add_commands(subparsers)` adds `replay`; `replay_cli.run_command(args)`
-runs it and returns the exit code. `replay_cli.add_bench_options(bench_parser)` adds the options of
-`tvcache bench` (`--charts DIR`, `--tasks N`, `--epochs E`, `--latency S`, ...), and `replay_cli.run_bench(args)`
-runs `quick`, `synthetic`, `sql`, `swe` or `airline` and returns their JSON summary.
+`tvcache.cli` hands these two commands to this module (`add_commands`, then `run_command`), so `tvcache serve`
+and `import tvcache` never load the benchmarks.
 
     tvcache bench sql [--tasks N] [--epochs E] [--rollouts R] [--seed S] [--no-tpch] [common]
     tvcache bench swe [--tasks N] [--epochs E] [--timeout S] [common]
     tvcache bench airline [--tasks N] [--epochs E] [--latency S] [common]
-        common: [--batch B] [--concurrency C] [--policies LIST] [--store URL] [--no-progress]
+        common: [--batch B] [--concurrency C] [--strategies LIST] [--store URL] [--no-progress]
                 [--json OUT] [--charts DIR]
 
     tvcache replay TRACES --sandbox workspace|sqlite|python:module:factory --base DIR [--setup CMD]
         [--tasks N] [--epochs E] [--timeout S] [--concurrency C] [--store URL]
-        [--policies none,naive,paper,tvcache] [--json OUT] [--charts DIR]
+        [--strategies none,naive,paper,tvcache] [--json OUT] [--charts DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .policies import POLICIES
+from .strategies import STRATEGIES
 
 if TYPE_CHECKING:
     from .replay import ReplayOptions, ReplayResult
     from .workload import Workload
 
-__all__ = ["add_bench_options", "add_commands", "run_bench", "run_command"]
+__all__ = ["BENCHES", "COMMANDS", "add_commands", "run_command"]
+
+COMMANDS = ("bench", "replay")
+
+BENCHES = {
+    "quick": "the main job: one minute of SQL rollouts, tvcache against no cache, a naive cache and the published one",
+    "sql": "SQL rollouts on the real databases (Spider-de, Geography) plus seconds-long TPC-H queries",
+    "swe": "SWE-agent bash rollouts (traces/swe-dev.jsonl) in workspace sandboxes holding each project",
+    "airline": "tau-bench airline rollouts (traces/tau-airline.jsonl) on the 14 airline tools",
+    "synthetic": "a parametric GRPO workload for scale: thousands of rollouts, 10^5+ graph nodes",
+    "overhead": "the cache's own cost per call, hit and miss, for the memory and SQLite stores",
+    "sandbox": "workspace sandbox create / snapshot / restore / exec next to cp -a of the same base",
+    "server": "the shared server's lookups/s and latency at 1, 8 and 32 clients and at 256 requests/s",
+    "redis": "lookups/s through the Redis store at 1 and 32 clients",
+}
 
 
 def add_commands(subparsers: Any) -> None:
-    """Add `replay` to the `tvcache` command's subparsers."""
+    """Add `bench` and `replay` to the `tvcache` command's subparsers."""
+    bench = subparsers.add_parser("bench", help="run a benchmark workload and print its figures")
+    bench.add_argument("workload", choices=list(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
+    bench.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT")
+    bench.add_argument("--base", help="(sandbox) the base directory to measure; default: a generated 300 MB tree")
+    add_bench_options(bench)
     p = subparsers.add_parser(
         "replay",
-        help="replay recorded rollouts (JSONL traces) under several caching policies and compare them",
+        help="replay recorded rollouts (JSONL traces) under several caching strategies and compare them",
         description="Replay a trace file the way GRPO steps run it (per step a batch of tasks, all rollouts of "
-        "a task concurrent, each rollout's calls in order), under each policy in turn on the same schedule, "
+        "a task concurrent, each rollout's calls in order), under each strategy in turn on the same schedule, "
         "checking every answer against the uncached one.",
     )
     p.add_argument("traces", metavar="TRACES", help="JSONL trace file (format: ../shared/workloads/README.md)")
@@ -65,11 +83,11 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--store", metavar="URL", help="tvcache's store (default: in memory), e.g. sqlite:///cache.db")
     p.add_argument("--namespace", help="tvcache namespace in the store (default: a fresh one per run)")
     p.add_argument(
-        "--policies",
-        type=_policies,
-        default=list(POLICIES),
+        "--strategies",
+        type=_strategies,
+        default=list(STRATEGIES),
         metavar="LIST",
-        help=f"comma-separated, from {','.join(POLICIES)} (default: all); 'none' is the correctness oracle",
+        help=f"comma-separated, from {','.join(STRATEGIES)} (default: all); 'none' is the correctness oracle",
     )
     p.add_argument(
         "--read-only",
@@ -80,11 +98,11 @@ def add_commands(subparsers: Any) -> None:
     )
     p.add_argument(
         "--turns",
-        choices=("step", "policy"),
+        choices=("step", "strategy"),
         default="step",
-        help="how policies take turns: step (all run step 1, then all run step 2, ...: load drift falls on all "
-        "alike; the default) or policy (each runs the whole schedule and is closed before the next: one "
-        "policy's snapshots at a time, for big ones such as SQLite copies of large databases)",
+        help="how strategies take turns: step (all run step 1, then all run step 2, ...: load drift falls on all "
+        "alike; the default) or strategy (each runs the whole schedule and is closed before the next: one "
+        "strategy's snapshots at a time, for big ones such as SQLite copies of large databases)",
     )
     p.add_argument("--no-prefetch", action="store_true", help="do not prefetch sandboxes for the next step")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -93,6 +111,39 @@ def add_commands(subparsers: Any) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    if args.command == "bench":
+        results = _bench(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2, default=str)
+        return 0
+    return _replay_command(args)
+
+
+def _bench(args: argparse.Namespace) -> Any:
+    workload = args.workload
+    if workload in BENCH_DEFAULTS:
+        return run_bench(args)
+    if workload == "overhead":
+        from .micro import overhead
+
+        return overhead.run()
+    if workload == "sandbox":
+        from .micro import sandbox
+
+        return asyncio.run(sandbox.main(args.base))
+    if workload == "server":
+        from .micro import server
+
+        return server.run()
+    if workload == "redis":
+        from .micro import redis
+
+        return redis.run()
+    raise AssertionError(workload)
+
+
+def _replay_command(args: argparse.Namespace) -> int:
     """Run `tvcache replay`; returns the exit code (2 with a message on bad input)."""
     from .traces import TraceError
 
@@ -104,7 +155,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 async def _replay(args: argparse.Namespace) -> int:
-    from .replay import ReplayOptions, replay_policies
+    from .replay import ReplayOptions, replay_strategies
     from .report import print_table, wide_console, write_charts, write_json
     from .workload import load_workload
 
@@ -127,7 +178,7 @@ async def _replay(args: argparse.Namespace) -> int:
         timeout=args.timeout,
     )
     try:
-        result = await replay_policies(workload, args.policies, options, store=args.store, namespace=args.namespace)
+        result = await replay_strategies(workload, args.strategies, options, store=args.store, namespace=args.namespace)
     finally:
         await workload.close()
     console = wide_console()
@@ -145,13 +196,13 @@ async def _replay(args: argparse.Namespace) -> int:
 BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "quick": {},
     "synthetic": {},
-    # sql's policies take turns by policy: its SQLite snapshots copy whole databases (373 MB for TPC-H), too
-    # many to hold every policy's at once in tmpfs.
-    "sql": {"tasks": 40, "epochs": 1, "rollouts": 8, "seed": 0, "no_tpch": False, "turns": "policy"},
+    # sql's strategies take turns by strategy: its SQLite snapshots copy whole databases (373 MB for TPC-H), too
+    # many to hold every strategy's at once in tmpfs.
+    "sql": {"tasks": 40, "epochs": 1, "rollouts": 8, "seed": 0, "no_tpch": False, "turns": "strategy"},
     "swe": {"tasks": None, "epochs": 1, "timeout": 60.0, "no_warmup": False, "turns": "step"},
     "airline": {"tasks": None, "epochs": 1, "latency": 0.05, "turns": "step"},
 }
-_REPLAY_OPTIONS = {"batch": 4, "concurrency": 8, "policies": list(POLICIES), "store": None, "no_progress": False}
+_REPLAY_OPTIONS = {"batch": 4, "concurrency": 8, "strategies": list(STRATEGIES), "store": None, "no_progress": False}
 for _options in ("sql", "swe", "airline"):
     BENCH_DEFAULTS[_options].update(_REPLAY_OPTIONS)
 
@@ -185,9 +236,9 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--turns",
-        choices=("step", "policy"),
-        help="(sql, swe, airline) how policies take turns: step by step, or each policy's whole schedule "
-        "(default: policy for sql, step for the others; see `tvcache replay --help`)",
+        choices=("step", "strategy"),
+        help="(sql, swe, airline) how strategies take turns: step by step, or each strategy's whole schedule "
+        "(default: strategy for sql, step for the others; see `tvcache replay --help`)",
     )
     parser.add_argument(
         "--batch", type=_positive_int, metavar="B", help="(sql, swe, airline) tasks per training step (default 4)"
@@ -196,10 +247,10 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
         "--concurrency", type=_positive_int, metavar="C", help="(sql, swe, airline) rollouts in flight (default 8)"
     )
     parser.add_argument(
-        "--policies",
-        type=_policies,
+        "--strategies",
+        type=_strategies,
         metavar="LIST",
-        help=f"(sql, swe, airline) comma-separated, from {','.join(POLICIES)} (default: all)",
+        help=f"(sql, swe, airline) comma-separated, from {','.join(STRATEGIES)} (default: all)",
     )
     parser.add_argument("--store", metavar="URL", help="(sql, swe, airline) tvcache's store (default: in memory)")
     parser.add_argument("--no-progress", action="store_true", default=None, help="(sql, swe, airline) no progress bars")
@@ -214,15 +265,15 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     o = _bench_options(args, workload)
     charts = getattr(args, "charts", None)
     if workload == "quick":
-        from . import quick
+        from .workloads import quick
 
         return quick.run(charts=charts)
     if workload == "synthetic":
-        from . import synthetic
+        from .workloads import synthetic
 
         return synthetic.run(charts=charts)
     if workload == "airline":
-        from . import airline_bench
+        from .workloads.airline import bench as airline_bench
 
         return airline_bench.run(
             tasks=o["tasks"],
@@ -230,7 +281,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             latency=o["latency"],
             batch=o["batch"],
             concurrency=o["concurrency"],
-            policies=o["policies"],
+            strategies=o["strategies"],
             store=o["store"],
             charts=charts,
             progress=not o["no_progress"],
@@ -246,22 +297,22 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         turns=o["turns"],
     )
     if workload == "sql":
-        from . import sql
+        from .workloads import sql
 
         def build_sql() -> Workload:
             return sql.build_workload(tasks=o["tasks"], rollouts=o["rollouts"], seed=o["seed"], tpch=not o["no_tpch"])
 
         return _replay_bench(build_sql, options, o, charts, describe=sql.describe)
-    from . import swe
+    from .workloads import swe
 
     def build_swe() -> Workload:
         return swe.build_workload(o["tasks"], timeout=o["timeout"], log=_say)
 
-    # A call's own time limit is the sandbox's (`--timeout`, the same for every policy); the replay's limit
-    # only guards against a hang, since it also counts the restores and replays a cached policy does for it.
+    # A call's own time limit is the sandbox's (`--timeout`, the same for every strategy); the replay's limit
+    # only guards against a hang, since it also counts the restores and replays a cached strategy does for it.
     options = replace(options, timeout=max(600.0, 10 * o["timeout"]))
     # The first pass of workspace sandboxes in a process ran 12-14% slower than identical later ones here
-    # (measured with three uncached passes in a row), which would count as speedup for every cached policy:
+    # (measured with three uncached passes in a row), which would count as speedup for every cached strategy:
     # an untimed uncached pass first puts the baseline on the same footing.
     return _replay_bench(build_swe, options, o, charts, describe=swe.describe, warmup=not o["no_warmup"])
 
@@ -288,11 +339,11 @@ def _replay_bench(
     describe: Callable[[], str],
     warmup: bool = False,
 ) -> dict[str, Any]:
-    from .policies import NoCachePolicy
-    from .replay import replay, replay_policies
+    from .replay import replay, replay_strategies
     from .report import print_table, wide_console, write_charts
+    from .strategies import NoCacheStrategy
 
-    class WarmUp(NoCachePolicy):
+    class WarmUp(NoCacheStrategy):
         name = "warm-up"
 
     async def go() -> ReplayResult:
@@ -301,7 +352,7 @@ def _replay_bench(
             if warmup:
                 _say("warm-up: one untimed uncached pass (--no-warmup skips it)")
                 await replay(workload, [WarmUp()], replace(options, epochs=1, verify=False))
-            return await replay_policies(workload, o["policies"], options, store=o["store"])
+            return await replay_strategies(workload, o["strategies"], options, store=o["store"])
         finally:
             await workload.close()
 
@@ -350,14 +401,14 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _policies(text: str) -> list[str]:
+def _strategies(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in POLICIES]
+    unknown = [n for n in names if n not in STRATEGIES]
     if unknown or not names:
         named = ", ".join(unknown) or repr(text)
-        raise argparse.ArgumentTypeError(f"unknown policy {named}; choose from {','.join(POLICIES)}")
+        raise argparse.ArgumentTypeError(f"unknown strategy {named}; choose from {','.join(STRATEGIES)}")
     if len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"a policy is named twice in {text!r}")
+        raise argparse.ArgumentTypeError(f"a strategy is named twice in {text!r}")
     return names
 
 

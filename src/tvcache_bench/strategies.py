@@ -1,4 +1,4 @@
-"""The four caching policies a replay compares, behind one small interface.
+"""The four caching strategies a replay compares, behind one small interface.
 
 - `none`: no cache. Every call executes in the rollout's own fresh sandbox: the ground truth.
 - `naive`: results keyed on (task, tool, args), state ignored. A hit returns the stored output and executes
@@ -10,9 +10,9 @@
   same call all execute it.
 - `tvcache`: `ToolCache` with its defaults (memory store unless a store URL is given).
 
-A policy hands out rollouts (`async with policy.rollout(task, sandboxes, tools) as r`) whose
+A strategy hands out rollouts (`async with strategy.rollout(task, sandboxes, tools) as r`) whose
 `await r.call(tool, args)` returns a `Result` (output, hit, seconds, source, error), and keeps `stats()`.
-Every policy creates its sandboxes lazily, on the first call that needs one, so the time to make a sandbox
+Every strategy creates its sandboxes lazily, on the first call that needs one, so the time to make a sandbox
 is inside the first executed call's seconds for all of them alike.
 """
 
@@ -26,35 +26,35 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from ..cache import ToolCache
-from ..calls import ToolCall, Tools
-from ..graph import decode_output, encode_output
-from ..rollout import Result
-from ..sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
+from tvcache.cache import ToolCache
+from tvcache.calls import ToolCall, Tools
+from tvcache.graph import decode_output, encode_output
+from tvcache.rollout import Result
+from tvcache.sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
 
 __all__ = [
-    "POLICIES",
+    "STRATEGIES",
     "Counters",
-    "NaivePolicy",
-    "NoCachePolicy",
-    "PaperPolicy",
-    "Policy",
-    "PolicyRollout",
-    "TvCachePolicy",
+    "NaiveStrategy",
+    "NoCacheStrategy",
+    "PaperStrategy",
+    "Strategy",
+    "StrategyRollout",
+    "TvCacheStrategy",
     "as_cached",
-    "make_policy",
+    "make_strategy",
 ]
 
-POLICIES = ("none", "naive", "paper", "tvcache")
+STRATEGIES = ("none", "naive", "paper", "tvcache")
 
 
-class PolicyRollout(Protocol):
+class StrategyRollout(Protocol):
     async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result: ...
 
 
 @dataclass
 class Counters:
-    """What the baseline policies count; the same names as `ToolCache.stats()`."""
+    """What the baseline strategies count; the same names as `ToolCache.stats()`."""
 
     calls: int = 0
     hits: int = 0
@@ -68,14 +68,14 @@ class Counters:
     seconds_executing: float = 0.0
 
 
-class Policy:
+class Strategy:
     """The interface the replay engine drives. Subclasses implement `rollout`; the rest has defaults."""
 
     name = "?"
 
     def rollout(
         self, task: str, sandboxes: Sandboxes, tools: Tools
-    ) -> contextlib.AbstractAsyncContextManager[PolicyRollout]:
+    ) -> contextlib.AbstractAsyncContextManager[StrategyRollout]:
         raise NotImplementedError
 
     async def prefetch(self, tasks: Mapping[str, int], sandboxes: Mapping[str, Sandboxes]) -> None:
@@ -85,26 +85,26 @@ class Policy:
         raise NotImplementedError
 
     async def close(self) -> None:
-        """Release what the policy holds (snapshots, warm sandboxes)."""
+        """Release what the strategy holds (snapshots, warm sandboxes)."""
 
 
-def make_policy(name: str, *, store: str | None = None, namespace: str | None = None) -> Policy:
+def make_strategy(name: str, *, store: str | None = None, namespace: str | None = None) -> Strategy:
     if name == "none":
-        return NoCachePolicy()
+        return NoCacheStrategy()
     if name == "naive":
-        return NaivePolicy()
+        return NaiveStrategy()
     if name == "paper":
-        return PaperPolicy()
+        return PaperStrategy()
     if name == "tvcache":
-        return TvCachePolicy(store, namespace=namespace)
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+        return TvCacheStrategy(store, namespace=namespace)
+    raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
 
 
 # -- shared plumbing ---------------------------------------------------------------------------------------
 
 
 def as_cached(output: Any) -> Any:
-    """An output as it comes back from a cache (a msgpack round trip), so every policy's answers compare
+    """An output as it comes back from a cache (a msgpack round trip), so every strategy's answers compare
     alike; outputs that cannot be encoded are returned as they are."""
     try:
         return decode_output(encode_output(output))
@@ -150,14 +150,14 @@ class _OwnSandbox:
 # -- none -----------------------------------------------------------------------------------------------
 
 
-class NoCachePolicy(Policy):
+class NoCacheStrategy(Strategy):
     name = "none"
 
     def __init__(self) -> None:
         self.counters = Counters()
 
     @contextlib.asynccontextmanager
-    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[PolicyRollout]:
+    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[StrategyRollout]:
         own = _OwnSandbox(sandboxes, self.counters)
         try:
             yield _DirectRollout(own, tools, self.counters)
@@ -184,7 +184,7 @@ class _DirectRollout:
 # -- naive ----------------------------------------------------------------------------------------------
 
 
-class NaivePolicy(Policy):
+class NaiveStrategy(Strategy):
     """The cache tvcache replaces: (task, tool, args) -> output. Scoped per task (and starting state), which
     is the most favourable reading: across tasks it would be wrong even more often."""
 
@@ -195,7 +195,7 @@ class NaivePolicy(Policy):
         self.entries: dict[tuple[str, str, str], bytes] = {}
 
     @contextlib.asynccontextmanager
-    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[PolicyRollout]:
+    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[StrategyRollout]:
         own = _OwnSandbox(sandboxes, self.counters)
         try:
             yield _NaiveRollout(self, (task, sandboxes.fingerprint), own, tools)
@@ -207,19 +207,19 @@ class NaivePolicy(Policy):
 
 
 class _NaiveRollout:
-    def __init__(self, policy: NaivePolicy, scope: tuple[str, str], own: _OwnSandbox, tools: Tools):
-        self._policy = policy
+    def __init__(self, strategy: NaiveStrategy, scope: tuple[str, str], own: _OwnSandbox, tools: Tools):
+        self._strategy = strategy
         self._scope = scope
         self._own = own
         self._tools = tools
 
     async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
         start = time.perf_counter()
-        counters = self._policy.counters
+        counters = self._strategy.counters
         counters.calls += 1
         call = self._tools.call(tool, args)
         key = (*self._scope, call.key)
-        cached = None if tool in self._tools.uncacheable else self._policy.entries.get(key)
+        cached = None if tool in self._tools.uncacheable else self._strategy.entries.get(key)
         if cached is not None:
             counters.hits += 1  # and nothing runs: the sandbox never sees this call's effect
             return Result(decode_output(cached), True, time.perf_counter() - start, "memo")
@@ -227,7 +227,7 @@ class _NaiveRollout:
         output = as_cached(outcome.output)
         if not outcome.error and tool not in self._tools.uncacheable:
             with contextlib.suppress(TypeError):
-                self._policy.entries.setdefault(key, encode_output(outcome.output))
+                self._strategy.entries.setdefault(key, encode_output(outcome.output))
         return Result(output, False, time.perf_counter() - start, "executed", outcome.error)
 
 
@@ -238,7 +238,7 @@ def _chain(prefix: bytes, digest: bytes) -> bytes:
     return hashlib.blake2b(prefix + digest, digest_size=16).digest()
 
 
-class PaperPolicy(Policy):
+class PaperStrategy(Strategy):
     """Exact full-history prefix keys, annotation-only memos, a snapshot at every state-changing call."""
 
     name = "paper"
@@ -249,7 +249,7 @@ class PaperPolicy(Policy):
         self.snapshots: dict[bytes, tuple[Sandboxes, str]] = {}  # prefix -> (factory, snapshot id)
 
     @contextlib.asynccontextmanager
-    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[PolicyRollout]:
+    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[StrategyRollout]:
         root = hashlib.blake2b(f"{task}\0{sandboxes.fingerprint}".encode(), digest_size=16).digest()
         own = _OwnSandbox(sandboxes, self.counters)
         try:
@@ -268,8 +268,8 @@ class PaperPolicy(Policy):
 
 
 class _PaperRollout:
-    def __init__(self, policy: PaperPolicy, root: bytes, sandboxes: Sandboxes, own: _OwnSandbox, tools: Tools):
-        self._policy = policy
+    def __init__(self, strategy: PaperStrategy, root: bytes, sandboxes: Sandboxes, own: _OwnSandbox, tools: Tools):
+        self._strategy = strategy
         self._sandboxes = sandboxes
         self._own = own
         self._tools = tools
@@ -280,13 +280,13 @@ class _PaperRollout:
 
     async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
         start = time.perf_counter()
-        policy, counters = self._policy, self._policy.counters
+        strategy, counters = self._strategy, self._strategy.counters
         counters.calls += 1
         call = self._tools.call(tool, args)
         read_only = tool in self._tools.read_only
         key = (self._prefix, call.digest)
         cacheable = not self._detached and tool not in self._tools.uncacheable
-        cached = policy.entries.get(key) if cacheable else None
+        cached = strategy.entries.get(key) if cacheable else None
         if cached is not None:
             counters.hits += 1
             if not read_only:
@@ -298,7 +298,7 @@ class _PaperRollout:
             self._detached = True  # the state after a failed call is unknown: no more caching for us
         elif cacheable:
             with contextlib.suppress(TypeError):
-                policy.entries.setdefault(key, encode_output(outcome.output))
+                strategy.entries.setdefault(key, encode_output(outcome.output))
         if not read_only:
             self._extend(call)
             self._depth = len(self._path)
@@ -320,15 +320,15 @@ class _PaperRollout:
             raise SandboxError("a detached rollout lost its sandbox")
         floor = self._depth if self._own.box is not None else 0
         for depth in range(target, floor, -1):
-            found = self._policy.snapshots.get(self._path[depth - 1][0])
+            found = self._strategy.snapshots.get(self._path[depth - 1][0])
             if found is None:
                 continue
             try:
                 restored = await self._sandboxes.restore(found[1])
             except Exception:
-                self._policy.snapshots.pop(self._path[depth - 1][0], None)
+                self._strategy.snapshots.pop(self._path[depth - 1][0], None)
                 continue
-            self._policy.counters.restores += 1
+            self._strategy.counters.restores += 1
             await self._own.drop()
             self._own.box, self._depth = restored, depth
             break
@@ -339,7 +339,7 @@ class _PaperRollout:
         box = self._own.box
         assert box is not None
         while self._depth < target:
-            self._policy.counters.replays += 1
+            self._strategy.counters.replays += 1
             try:
                 await box.execute(self._path[self._depth][1])
             except BaseException:
@@ -348,22 +348,22 @@ class _PaperRollout:
             self._depth += 1
 
     async def _snapshot(self) -> None:
-        policy, prefix = self._policy, self._prefix
+        strategy, prefix = self._strategy, self._prefix
         box = self._own.box
-        if prefix in policy.snapshots or box is None:
+        if prefix in strategy.snapshots or box is None:
             return
         snapshot_id = await box.snapshot()
-        policy.counters.snapshots += 1
-        if prefix in policy.snapshots:  # another rollout got there while we saved: keep one
+        strategy.counters.snapshots += 1
+        if prefix in strategy.snapshots:  # another rollout got there while we saved: keep one
             await self._sandboxes.delete(snapshot_id)
         else:
-            policy.snapshots[prefix] = (self._sandboxes, snapshot_id)
+            strategy.snapshots[prefix] = (self._sandboxes, snapshot_id)
 
 
 # -- tvcache --------------------------------------------------------------------------------------------
 
 
-class TvCachePolicy(Policy):
+class TvCacheStrategy(Strategy):
     """tvcache with its defaults. `namespace` defaults to a fresh one, so a durable `store` shared with
     earlier runs starts this replay empty."""
 
@@ -375,7 +375,7 @@ class TvCachePolicy(Policy):
 
     def rollout(
         self, task: str, sandboxes: Sandboxes, tools: Tools
-    ) -> contextlib.AbstractAsyncContextManager[PolicyRollout]:
+    ) -> contextlib.AbstractAsyncContextManager[StrategyRollout]:
         self._factories[self.cache.scope(task, sandboxes).key] = sandboxes
         return self.cache.rollout(task, sandboxes, tools)
 

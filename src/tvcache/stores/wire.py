@@ -1,4 +1,4 @@
-"""The HTTP API's wire format, shared by the server and the client (`tvcache.stores.http`).
+"""The HTTP API's wire format, shared by the client (`tvcache.stores.http`) and the server (`tvcache.server`).
 
 Every store method is one `POST /v1/<method>` whose JSON body is the method's arguments, and whose JSON
 reply is what the method returns. Bytes (node ids, digests, outputs) travel as base64 strings, msgspec's
@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import msgspec
 
 from ..graph import Entry, Kind
-from ..stores.base import Claim, GraphExport, Lease, SnapshotRecord, TaskInfo
+from .base import Claim, GraphExport, Lease, SnapshotRecord, TaskInfo
 
 __all__ = [
     "ENDPOINTS",

@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tvcache.bench import traces
-from tvcache.bench.data import workloads_dir
 from tvcache.calls import ToolCall, Tools
+from tvcache_bench import traces
+from tvcache_bench.data import workloads_dir
 
 __all__ = [
     "READ_ONLY",
@@ -814,5 +814,5 @@ def conformance(traces_path: str | Path | None = None, *, initial: Db | None = N
     return report
 
 
-if __name__ == "__main__":  # python -m tvcache.bench.airline: the conformance figures
+if __name__ == "__main__":  # python -m tvcache_bench.workloads.airline: the conformance figures
     print(conformance().summary())

@@ -14,8 +14,8 @@ __all__ = ["ENV_VAR", "workload_path", "workloads_dir"]
 
 ENV_VAR = "TVCACHE_WORKLOADS"
 
-# src/tvcache/bench/data.py -> parents[3] is the repository root.
-_REPO_ROOT = Path(__file__).resolve().parents[3]
+# src/tvcache_bench/data.py -> parents[2] is the repository root.
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def workloads_dir() -> Path:

@@ -1,7 +1,7 @@
 """A workload: recorded rollouts plus the sandboxes to replay them in. The interface every workload
 module (`sql`, `swe`, `airline`, `synthetic`, ...) implements, and builders for `tvcache replay TRACES`.
 
-A workload module returns a `Workload`; the replay engine (`replay.py`) runs it under every policy. The
+A workload module returns a `Workload`; the replay engine (`replay.py`) runs it under every strategy. The
 builders here make one from any trace file and a sandbox kind:
 
 - `sqlite`: `base` is a SQLite file; tool `sql` with args `{"query": str}`. `setup` is an SQL script run once
@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..calls import ToolCall, Tools
-from ..sandboxes.base import Sandbox, SandboxError, Sandboxes
+from tvcache.calls import ToolCall, Tools
+from tvcache.sandboxes.base import Sandbox, SandboxError, Sandboxes
+
 from .traces import Trace, read_traces, task_order
 
 __all__ = ["SetupSandboxes", "Workload", "combine", "first_tasks", "load_workload", "sandboxes_from_spec"]
@@ -139,7 +140,7 @@ async def sandboxes_from_spec(
 def _sqlite(
     base: str | Path | None, setup: str | None, timeout: float | None
 ) -> tuple[Sandboxes, Callable[[], Awaitable[None]]]:
-    from ..sandboxes.sqlite import SQLiteSandboxes
+    from tvcache.sandboxes.sqlite import SQLiteSandboxes
 
     if base is None:
         raise ValueError("--sandbox sqlite needs --base FILE.sqlite")
@@ -172,7 +173,7 @@ def _sqlite(
 async def _workspace(
     base: str | Path | None, setup: str | None, timeout: float | None
 ) -> tuple[Sandboxes, Callable[[], Awaitable[None]]]:
-    from ..sandboxes.workspace import WorkspaceSandboxes
+    from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
     if base is None:
         raise ValueError("--sandbox workspace needs --base DIR")

@@ -53,11 +53,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote as url_quote
 
-from ..calls import Tools
-from ..sandboxes.base import Sandboxes
+from tvcache.calls import Tools
+from tvcache.sandboxes.base import Sandboxes
+
+from ...data import workloads_dir
+from ...traces import Trace, TraceCall
+from ...workload import Workload
 from . import tpch
-from .data import workloads_dir
-from .sqlquery import (
+from .queries import (
     COST_PRESERVING,
     PERTURBATIONS,
     Query,
@@ -70,8 +73,6 @@ from .sqlquery import (
     string_literal,
     used_tables,
 )
-from .traces import Trace, TraceCall
-from .workload import Workload
 
 __all__ = [
     "CHINOOK_QUESTIONS",
@@ -714,7 +715,7 @@ def build_workload(
     `~/.cache/tvcache`). `tmp` is where sandboxes and scratch files go (default /dev/shm). Call the
     workload's `close()` to remove its sandboxes' files.
     """
-    from ..sandboxes.sqlite import SQLiteSandboxes
+    from tvcache.sandboxes.sqlite import SQLiteSandboxes
 
     if tasks is not None and (isinstance(tasks, bool) or not isinstance(tasks, int) or tasks < 1):
         raise ValueError(f"tasks must be a positive integer or None, got {tasks!r}")
@@ -780,7 +781,7 @@ def _notes(chosen: Sequence[Question], traces: Sequence[Trace], dropped: int, ro
     return (
         f"{len(chosen)} text-to-SQL tasks ({mix}), {rollouts} rollouts each from a seeded exploration policy "
         f"(seed {seed}), {calls} sql calls; {dropped} tasks skipped because their gold query fails. "
-        "See tvcache.bench.sql.describe()."
+        "See tvcache_bench.workloads.sql.describe()."
     )
 
 

@@ -29,8 +29,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..calls import ToolCall
-from ..sandboxes.workspace import WorkspaceSandboxes
+from tvcache.calls import ToolCall
+from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
 __all__ = ["DEFAULT_BASE", "main", "make_base", "print_table", "run"]
 

@@ -1,0 +1,1 @@
+"""Microbenchmarks of single components: the cache's own overhead, sandboxes, the server, Redis."""
