@@ -294,7 +294,7 @@ def test_forget_deletes_every_key_of_a_scope(server: RedisServer) -> None:
         await store.forget(SCOPE)
         graph = await store.export(SCOPE)
         assert (graph.task, graph.entries, graph.snapshots) == (None, [], [])
-        assert [t.key for t in await store.tasks()] == [other]
+        assert [t.scope_key for t in await store.tasks()] == [other]
         assert len((await store.export(other)).snapshots) == 2  # the other scope is untouched
         await store.close()
 

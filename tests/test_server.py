@@ -250,7 +250,7 @@ def test_a_dead_server_fails_fast_with_store_error(tmp_path: Path) -> None:
 
 SCOPE = Scope("ns", "task", "fp")
 KEY, ROOT, DIGEST = SCOPE.key, SCOPE.root, b"d" * 16
-LOOKUP = {"scope": KEY, "node": b64(ROOT), "digest": b64(DIGEST), "claim": 5.0}
+LOOKUP = {"scope_key": KEY, "node": b64(ROOT), "digest": b64(DIGEST), "claim": 5.0}
 
 
 def test_auth_needs_the_token_when_one_is_set(tmp_path: Path) -> None:
@@ -283,7 +283,7 @@ def test_auth_needs_the_token_when_one_is_set(tmp_path: Path) -> None:
 
 def test_oversized_requests_are_refused_and_change_nothing(tmp_path: Path) -> None:
     with Server(tmp_path, "memory://", None, "--max-body-mb", str(8192 / 2**20)) as server:
-        record = {"scope": KEY, "node": b64(ROOT), "digest": b64(DIGEST)}
+        record = {"scope_key": KEY, "node": b64(ROOT), "digest": b64(DIGEST)}
         big = dict(record, entry={"kind": "edge", "output": b64(b"x" * 9000), "seconds": 1.0})
         status, body = request(server, "POST", "/v1/record", big)
         assert status == 413 and "limit" in body["error"]
@@ -319,7 +319,7 @@ MALFORMED: list[tuple[str, str, Any, int, str]] = [
     ("POST", "/v1/lookup", b"{not json", 400, "malformed"),
     ("POST", "/v1/lookup", b"", 400, "invalid lookup"),
     ("POST", "/v1/lookup", [1, 2], 400, "Expected `object`"),
-    ("POST", "/v1/lookup", LOOKUP | {"scope": "../../etc/passwd"}, 400, "$.scope"),
+    ("POST", "/v1/lookup", LOOKUP | {"scope_key": "../../etc/passwd"}, 400, "$.scope_key"),
     ("POST", "/v1/lookup", LOOKUP | {"node": "short"}, 400, "$.node"),
     ("POST", "/v1/lookup", LOOKUP | {"node": b64(b"x" * 17)}, 400, "$.node"),
     ("POST", "/v1/lookup", LOOKUP | {"claim": "5"}, 400, "$.claim"),
@@ -331,7 +331,7 @@ MALFORMED: list[tuple[str, str, Any, int, str]] = [
     (
         "POST",
         "/v1/record",
-        {"scope": KEY, "node": b64(ROOT), "digest": b64(DIGEST), "entry": ["edge", "", 1]},
+        {"scope_key": KEY, "node": b64(ROOT), "digest": b64(DIGEST), "entry": ["edge", "", 1]},
         400,
         "$.entry",
     ),
@@ -339,7 +339,7 @@ MALFORMED: list[tuple[str, str, Any, int, str]] = [
         "POST",
         "/v1/record",
         {
-            "scope": KEY,
+            "scope_key": KEY,
             "node": b64(ROOT),
             "digest": b64(DIGEST),
             "entry": {"kind": "bogus", "output": "", "seconds": 1},
@@ -351,7 +351,7 @@ MALFORMED: list[tuple[str, str, Any, int, str]] = [
         "POST",
         "/v1/record",
         {
-            "scope": KEY,
+            "scope_key": KEY,
             "node": b64(ROOT),
             "digest": b64(DIGEST),
             "entry": {"kind": "edge", "output": "", "seconds": -1},
@@ -362,19 +362,19 @@ MALFORMED: list[tuple[str, str, Any, int, str]] = [
     (
         "POST",
         "/v1/add_snapshot",
-        {"scope": KEY, "origin": "o", "path": [], "snapshot_id": "s", "budget": 1},
+        {"scope_key": KEY, "origin": "o", "path": [], "snapshot_id": "s", "budget": 1},
         400,
         "$.path",
     ),
     (
         "POST",
         "/v1/add_snapshot",
-        {"scope": KEY, "origin": "o", "path": [b64(ROOT)], "snapshot_id": "s", "budget": 1.5},
+        {"scope_key": KEY, "origin": "o", "path": [b64(ROOT)], "snapshot_id": "s", "budget": 1.5},
         400,
         "$.budget",
     ),
-    ("POST", "/v1/register", {"key": "/tmp/x", "namespace": "n", "task": "t", "fingerprint": "f"}, 400, "$.key"),
-    ("POST", "/v1/export", {"scope": KEY, "limit": 10**9}, 400, "$.limit"),
+    ("POST", "/v1/register", {"scope_key": "/tmp/x", "namespace": "n", "task": "t", "fingerprint": "f"}, 400, "$.scope_key"),
+    ("POST", "/v1/export", {"scope_key": KEY, "limit": 10**9}, 400, "$.limit"),
     ("GET", "/v1/lookup", None, 405, "takes POST"),
     ("POST", "/v1/tasks", {}, 405, "takes GET"),
     ("GET", "/v1/nope", None, 404, "no such path"),
@@ -403,8 +403,8 @@ def test_malformed_requests_change_nothing(server: Server) -> None:
     assert (totals["lookups"], totals["records"], totals["waits"]) == (0, 0, 0)
     assert totals["errors"] == len(MALFORMED) + 1
     assert request(server, "GET", "/v1/tasks")[1] == []
-    assert request(server, "POST", "/v1/export", {"scope": KEY})[1]["entries"] == []
-    assert request(server, "POST", "/v1/snapshots", {"scope": KEY})[1] == []
+    assert request(server, "POST", "/v1/export", {"scope_key": KEY})[1]["entries"] == []
+    assert request(server, "POST", "/v1/snapshots", {"scope_key": KEY})[1] == []
 
 
 def test_metrics_health_and_openapi(server: Server) -> None:

@@ -95,13 +95,13 @@ class ToolCache:
         warm = self._ctx.warm
         jobs = []
         for task in tasks:
-            key = self.scope(task, sandboxes).key
-            pending = (id(sandboxes), key)
-            missing = rollouts - warm.fresh_count(sandboxes, key) - self._pending[pending]
-            jobs += [self._warm_fresh(sandboxes, key) for _ in range(max(0, missing))]
+            scope_key = self.scope(task, sandboxes).key
+            pending = (id(sandboxes), scope_key)
+            missing = rollouts - warm.fresh_count(sandboxes, scope_key) - self._pending[pending]
+            jobs += [self._warm_fresh(sandboxes, scope_key) for _ in range(max(0, missing))]
             self._pending[pending] += max(0, missing)
             try:
-                records = await self._ctx.store.snapshots(key, self._ctx.factory(sandboxes)[1])
+                records = await self._ctx.store.snapshots(scope_key, self._ctx.factory(sandboxes)[1])
             except Exception as exc:
                 self._ctx.stats.store_errors += 1
                 log.warning("prefetch could not list snapshots of %s: %s", task, exc)
@@ -110,7 +110,7 @@ class ToolCache:
                 pending = (id(sandboxes), record.snapshot_id)
                 if warm.fork_count(sandboxes, record.snapshot_id) + self._pending[pending] == 0:
                     self._pending[pending] += 1
-                    jobs.append(self._warm_fork(sandboxes, key, record.node, record.snapshot_id))
+                    jobs.append(self._warm_fork(sandboxes, scope_key, record.node, record.snapshot_id))
 
         async def run() -> int:
             made = await asyncio.gather(*jobs, return_exceptions=True)
@@ -121,26 +121,26 @@ class ToolCache:
         background.add_done_callback(self._background.discard)
         return background
 
-    async def _warm_fresh(self, sandboxes: Sandboxes, key: str) -> bool:
+    async def _warm_fresh(self, sandboxes: Sandboxes, scope_key: str) -> bool:
         try:
             async with self._prefetch_limit:
                 box = await sandboxes.create()
-            await self._ctx.warm.put_fresh(sandboxes, key, box)
+            await self._ctx.warm.put_fresh(sandboxes, scope_key, box)
             return True
         finally:
-            self._pending[(id(sandboxes), key)] -= 1
+            self._pending[(id(sandboxes), scope_key)] -= 1
 
-    async def _warm_fork(self, sandboxes: Sandboxes, key: str, node: bytes, snapshot_id: str) -> bool:
+    async def _warm_fork(self, sandboxes: Sandboxes, scope_key: str, node: bytes, snapshot_id: str) -> bool:
         store = self._ctx.store
         try:
             async with self._prefetch_limit:
-                lease = await store.lease(key, self._ctx.factory(sandboxes)[1], [node], self._ctx.lease_ttl)
+                lease = await store.lease(scope_key, self._ctx.factory(sandboxes)[1], [node], self._ctx.lease_ttl)
                 if lease is None or lease.snapshot_id != snapshot_id:
                     return False  # evicted meanwhile
                 try:
                     box: Sandbox = await sandboxes.restore(snapshot_id)
                 finally:
-                    await store.unlease(key, lease.token)
+                    await store.unlease(scope_key, lease.token)
             await self._ctx.warm.put_fork(sandboxes, snapshot_id, box)
             return True
         finally:

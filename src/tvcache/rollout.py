@@ -89,7 +89,7 @@ class Rollout:
     def __init__(self, ctx: Context, scope: Scope, sandboxes: Sandboxes, tools: Tools | None):
         self._ctx = ctx
         self._scope = scope
-        self._key = scope.key
+        self._scope_key = scope.key
         self._sandboxes = sandboxes
         self._tools = tools or Tools()
         self._costs, self._origin = ctx.factory(sandboxes)
@@ -121,21 +121,21 @@ class Rollout:
             return await self._execute_direct(call, start)
         if tool in self._tools.uncacheable:
             return await self._execute_uncacheable(call, start)
-        store, key, node, digest, ttl = (
+        store, scope_key, node, digest, ttl = (
             self._ctx.store,
-            self._key,
+            self._scope_key,
             self._cursor,
             call.digest,
             self._ctx.claim_ttl,
         )
         try:
-            found = await store.lookup(key, node, digest, ttl)
+            found = await store.lookup(scope_key, node, digest, ttl)
             while isinstance(found, Claim) and found.token is None:
                 stats.waits += 1  # another rollout is executing this very call: wait for its entry
-                entry = await store.wait(key, node, digest, ttl)
+                entry = await store.wait(scope_key, node, digest, ttl)
                 if entry is not None:
                     return self._hit(call, entry, "waited", start)
-                found = await store.lookup(key, node, digest, ttl)  # its claim ended without an entry
+                found = await store.lookup(scope_key, node, digest, ttl)  # its claim ended without an entry
             if found is None:
                 raise StoreError("the store neither found nor claimed a call it was asked to claim")
         except Exception as exc:
@@ -170,31 +170,31 @@ class Rollout:
         return EDGE
 
     async def _execute_claimed(self, call: ToolCall, token: str, start: float) -> Result:
-        store, key, node = self._ctx.store, self._key, self._cursor
+        store, scope_key, node = self._ctx.store, self._scope_key, self._cursor
         try:
             box = await self._sandbox_at_cursor(use_store=True)
             if self._detached:  # rebuilding the state showed a nondeterministic tool
-                await self._quietly(store.release(key, node, call.digest, token))
+                await self._quietly(store.release(scope_key, node, call.digest, token))
                 return await self._execute_direct(call, start)
             async with self._holding_claim(node, call.digest, token):
                 outcome, blob, seconds = await self._execute(box, call)
         except BaseException:
-            await self._quietly(store.release(key, node, call.digest, token))
+            await self._quietly(store.release(scope_key, node, call.digest, token))
             raise
         if outcome.error:
-            await self._quietly(store.release(key, node, call.digest, token))
+            await self._quietly(store.release(scope_key, node, call.digest, token))
             return self._failed(call, outcome, blob, start)
         kind = self._kind(call, outcome)
         if len(blob) > self._ctx.max_output_bytes:
-            await self._quietly(store.release(key, node, call.digest, token))
+            await self._quietly(store.release(scope_key, node, call.digest, token))
             self._ctx.stats.uncached += 1
         else:
             try:
                 if not self._registered:  # once per rollout, and only for rollouts that add to the graph
                     s = self._scope
-                    await store.register(TaskInfo(key, s.namespace, s.task, s.fingerprint))
+                    await store.register(TaskInfo(scope_key, s.namespace, s.task, s.fingerprint))
                     self._registered = True
-                await store.record(key, node, call.digest, Entry(kind, blob, seconds, call.key[:200]), token)
+                await store.record(scope_key, node, call.digest, Entry(kind, blob, seconds, call.key[:200]), token)
             except Exception as exc:
                 self._store_failed(exc)
         if kind == EDGE:
@@ -281,7 +281,7 @@ class Rollout:
             return self._replay_seconds(target, depth)
 
         catch_up = replay_cost(self._box_depth) if self._box is not None else float("inf")
-        fresh_warm = self._ctx.warm.fresh_count(self._sandboxes, self._key) > 0
+        fresh_warm = self._ctx.warm.fresh_count(self._sandboxes, self._scope_key) > 0
         fresh = (0.0 if fresh_warm else costs.create) + replay_cost(0)
         lease: Lease | None = None
         if use_store and target > 0 and min(catch_up, fresh) > costs.restore:
@@ -299,7 +299,7 @@ class Rollout:
                         return await self._replay_to(target)
         finally:
             if lease is not None:
-                await self._quietly(self._ctx.store.unlease(self._key, lease.token))
+                await self._quietly(self._ctx.store.unlease(self._scope_key, lease.token))
         if catch_up > fresh:
             await self._replace_box(await self._create(), 0)
         return await self._replay_to(target)
@@ -307,7 +307,7 @@ class Rollout:
     async def _lease(self, first_depth: int, target: int) -> Lease | None:
         nodes = [step.node for step in self._steps[first_depth - 1 : target]]
         try:
-            return await self._ctx.store.lease(self._key, self._origin, nodes, self._ctx.lease_ttl)
+            return await self._ctx.store.lease(self._scope_key, self._origin, nodes, self._ctx.lease_ttl)
         except Exception as exc:
             self._store_failed(exc)
             return None
@@ -330,14 +330,15 @@ class Rollout:
         except Exception as exc:
             # Gone (deleted by another process, lost in a restart): forget it and take another route.
             log.warning("restore of snapshot %s failed (%s); falling back", lease.snapshot_id, exc)
-            await self._quietly(self._ctx.store.drop_snapshot(self._key, self._origin, lease.node, lease.snapshot_id))
+            drop = self._ctx.store.drop_snapshot(self._scope_key, self._origin, lease.node, lease.snapshot_id)
+            await self._quietly(drop)
             return None
         self._costs.measured_restore.add(time.perf_counter() - t0)
         stats.restores += 1
         return box
 
     async def _create(self) -> Sandbox:
-        box = self._ctx.warm.take_fresh(self._sandboxes, self._key)
+        box = self._ctx.warm.take_fresh(self._sandboxes, self._scope_key)
         if box is not None:
             self._ctx.stats.warm += 1
             return box
@@ -399,7 +400,7 @@ class Rollout:
         path = [self._root, *(s.node for s in self._steps)]
         try:
             doomed = await self._ctx.store.add_snapshot(
-                self._key, self._origin, path, snapshot_id, self._ctx.snapshot_budget
+                self._scope_key, self._origin, path, snapshot_id, self._ctx.snapshot_budget
             )
         except Exception as exc:
             self._store_failed(exc)
@@ -422,7 +423,7 @@ class Rollout:
             while True:
                 await asyncio.sleep(ttl / 3)
                 with contextlib.suppress(Exception):
-                    await self._ctx.store.refresh(self._key, node, digest, token, ttl)
+                    await self._ctx.store.refresh(self._scope_key, node, digest, token, ttl)
 
         task = asyncio.create_task(refresh())
         try:

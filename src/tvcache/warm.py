@@ -42,20 +42,20 @@ class WarmPool:
             with contextlib.suppress(Exception):
                 await oldest.close()
 
-    def fresh_count(self, factory: Sandboxes, scope: str) -> int:
-        return self._count(("fresh", id(factory), scope))
+    def fresh_count(self, factory: Sandboxes, scope_key: str) -> int:
+        return self._count(("fresh", id(factory), scope_key))
 
     def fork_count(self, factory: Sandboxes, snapshot_id: str) -> int:
         return self._count(("fork", id(factory), snapshot_id))
 
-    async def put_fresh(self, factory: Sandboxes, scope: str, box: Sandbox) -> None:
-        await self._put(("fresh", id(factory), scope), box)
+    async def put_fresh(self, factory: Sandboxes, scope_key: str, box: Sandbox) -> None:
+        await self._put(("fresh", id(factory), scope_key), box)
 
     async def put_fork(self, factory: Sandboxes, snapshot_id: str, box: Sandbox) -> None:
         await self._put(("fork", id(factory), snapshot_id), box)
 
-    def take_fresh(self, factory: Sandboxes, scope: str) -> Sandbox | None:
-        return self._take(("fresh", id(factory), scope))
+    def take_fresh(self, factory: Sandboxes, scope_key: str) -> Sandbox | None:
+        return self._take(("fresh", id(factory), scope_key))
 
     def take_fork(self, factory: Sandboxes, snapshot_id: str) -> Sandbox | None:
         return self._take(("fork", id(factory), snapshot_id))

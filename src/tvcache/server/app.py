@@ -133,10 +133,10 @@ class CacheApp:
 
     # -- ASGI ------------------------------------------------------------------------------------------
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            await self._http(scope, receive, send)
-        elif scope["type"] == "lifespan":
+    async def __call__(self, scope_key: Scope, receive: Receive, send: Send) -> None:
+        if scope_key["type"] == "http":
+            await self._http(scope_key, receive, send)
+        elif scope_key["type"] == "lifespan":
             await self._lifespan(receive, send)
         # Websockets are not spoken here; returning without accepting makes the server refuse them.
 
@@ -160,28 +160,28 @@ class CacheApp:
             self.counters.sample()
             await asyncio.sleep(SAMPLE_EVERY)
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _http(self, scope_key: Scope, receive: Receive, send: Send) -> None:
         start = time.perf_counter()
-        path: str = scope["path"]
+        path: str = scope_key["path"]
         route = self._routes.get(path)
         status = 200
         try:
             if route is not None:
-                body = await self._answer(route, scope, receive)
+                body = await self._answer(route, scope_key, receive)
                 headers = [_JSON_TYPE]
             else:
-                headers, body = self._other(path, scope)
+                headers, body = self._other(path, scope_key)
         except HTTPError as exc:
-            status, headers, body = exc.status, [_JSON_TYPE, *exc.headers], self._error(exc.status, str(exc), scope)
+            status, headers, body = exc.status, [_JSON_TYPE, *exc.headers], self._error(exc.status, str(exc), scope_key)
         except _ClientGone:
             self._latency(route, path).add(time.perf_counter() - start, 499)
             return
         except StoreError as exc:
             log.error("store failed", extra={"path": path, "error": str(exc)})
-            status, headers, body = 503, [_JSON_TYPE], self._error(503, f"store failed: {exc}", scope)
+            status, headers, body = 503, [_JSON_TYPE], self._error(503, f"store failed: {exc}", scope_key)
         except Exception:
             log.exception("request failed", extra={"path": path})
-            status, headers, body = 500, [_JSON_TYPE], self._error(500, "internal server error (logged)", scope)
+            status, headers, body = 500, [_JSON_TYPE], self._error(500, "internal server error (logged)", scope_key)
         # A Content-Length, not chunked encoding: fewer bytes and writes per response.
         headers.append((b"content-length", b"%d" % len(body)))
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -197,31 +197,31 @@ class CacheApp:
             latency = self.counters.latency[name] = Latency()
         return latency
 
-    def _error(self, status: int, message: str, scope: Scope) -> bytes:
+    def _error(self, status: int, message: str, scope_key: Scope) -> bytes:
         self.counters.errors += 1
-        client = scope.get("client")
+        client = scope_key.get("client")
         log.log(
             logging.WARNING if status >= 500 or status == 401 else logging.INFO,
             "request refused",
             extra={
                 "status": status,
-                "path": scope["path"][:200],
+                "path": scope_key["path"][:200],
                 "error": message,
                 "client": client[0] if client else None,
             },
         )
         return self._encoder.encode({"error": message})
 
-    async def _answer(self, route: _Route, scope: Scope, receive: Receive) -> bytes:
+    async def _answer(self, route: _Route, scope_key: Scope, receive: Receive) -> bytes:
         """The JSON reply to a request for one of the API's operations."""
         endpoint = route.endpoint
-        if scope["method"] != endpoint.method:
+        if scope_key["method"] != endpoint.method:
             raise HTTPError(405, f"{endpoint.path} takes {endpoint.method}", [(b"allow", endpoint.method.encode())])
         if endpoint.auth:
-            self._authenticate(scope)
+            self._authenticate(scope_key)
         request = None
         if route.decoder is not None:
-            body = await self._body(scope, receive)
+            body = await self._body(scope_key, receive)
             try:
                 request = route.decoder.decode(body)
             except msgspec.DecodeError as exc:  # ValidationError is a DecodeError: both mean a 400
@@ -229,24 +229,24 @@ class CacheApp:
         reply = await route.handler(request, receive)
         return self._encoder.encode(reply)
 
-    def _other(self, path: str, scope: Scope) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    def _other(self, path: str, scope_key: Scope) -> tuple[list[tuple[bytes, bytes]], bytes]:
         """Headers and body for the paths outside the API: the dashboard's files, the OpenAPI document, metrics."""
         if path not in _OTHER and path not in self._static:
             raise HTTPError(404, f"no such path: {path[:200]}")
-        if scope["method"] not in ("GET", "HEAD"):
+        if scope_key["method"] not in ("GET", "HEAD"):
             raise HTTPError(405, f"{path} takes GET", [(b"allow", b"GET, HEAD")])
         if path in self._static:
             content, kind = self._static[path]
             return [(b"content-type", kind), (b"cache-control", b"no-cache"), *_SECURITY_HEADERS], content
         if path == "/openapi.json":
             return [_JSON_TYPE], self._openapi
-        self._authenticate(scope)  # /metrics
+        self._authenticate(scope_key)  # /metrics
         return [(b"content-type", METRICS_CONTENT_TYPE.encode())], self._metrics.render()
 
-    def _authenticate(self, scope: Scope) -> None:
+    def _authenticate(self, scope_key: Scope) -> None:
         if self._token is None:
             return
-        for name, value in scope["headers"]:
+        for name, value in scope_key["headers"]:
             if name == b"authorization":
                 scheme, _, given = value.partition(b" ")
                 if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._token):
@@ -254,8 +254,8 @@ class CacheApp:
                 break
         raise HTTPError(401, "missing or wrong bearer token", [(b"www-authenticate", b'Bearer realm="tvcache"')])
 
-    async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        for name, value in scope["headers"]:
+    async def _body(self, scope_key: Scope, receive: Receive) -> bytes:
+        for name, value in scope_key["headers"]:
             if name == b"content-length":
                 if not value.isdigit():
                     raise HTTPError(400, "invalid Content-Length")
@@ -281,10 +281,10 @@ class CacheApp:
 
     async def _lookup(self, req: LookupRequest, receive: Receive) -> LookupReply:
         c = self.counters
-        task = c.task(req.scope)
+        task = c.task(req.scope_key)
         c.lookups += 1
         task.lookups += 1
-        found = await self.store.lookup(req.scope, req.node, req.digest, req.claim)
+        found = await self.store.lookup(req.scope_key, req.node, req.digest, req.claim)
         if isinstance(found, Entry):
             c.hits += 1
             task.hits += 1
@@ -302,7 +302,7 @@ class CacheApp:
         hangs up meanwhile, stop waiting for it."""
         self.counters.waits += 1
         timeout = min(req.timeout, self._wait_cap)
-        waiting = asyncio.ensure_future(self.store.wait(req.scope, req.node, req.digest, timeout))
+        waiting = asyncio.ensure_future(self.store.wait(req.scope_key, req.node, req.digest, timeout))
         hangup = asyncio.ensure_future(_disconnect(receive))
         try:
             await asyncio.wait((waiting, hangup), return_when=asyncio.FIRST_COMPLETED)
@@ -317,47 +317,47 @@ class CacheApp:
         entry = waiting.result()
         if entry is None:
             return None
-        self.counters.waited_hit(req.scope, entry.seconds)
+        self.counters.waited_hit(req.scope_key, entry.seconds)
         return WireEntry.of(entry)
 
     async def _record(self, req: RecordRequest, receive: Receive) -> WireEntry:
-        winner = await self.store.record(req.scope, req.node, req.digest, req.entry.entry(), req.token)
+        winner = await self.store.record(req.scope_key, req.node, req.digest, req.entry.entry(), req.token)
         self.counters.records += 1
-        self.counters.task(req.scope).records += 1
+        self.counters.task(req.scope_key).records += 1
         return WireEntry.of(winner)
 
     async def _release(self, req: ReleaseRequest, receive: Receive) -> None:
-        await self.store.release(req.scope, req.node, req.digest, req.token)
+        await self.store.release(req.scope_key, req.node, req.digest, req.token)
         self.counters.releases += 1
 
     async def _refresh(self, req: RefreshRequest, receive: Receive) -> bool:
-        return await self.store.refresh(req.scope, req.node, req.digest, req.token, req.ttl)
+        return await self.store.refresh(req.scope_key, req.node, req.digest, req.token, req.ttl)
 
     async def _lease(self, req: LeaseRequest, receive: Receive) -> Any:
-        return await self.store.lease(req.scope, req.origin, req.path, req.ttl)
+        return await self.store.lease(req.scope_key, req.origin, req.path, req.ttl)
 
     async def _unlease(self, req: UnleaseRequest, receive: Receive) -> None:
-        await self.store.unlease(req.scope, req.token)
+        await self.store.unlease(req.scope_key, req.token)
 
     async def _add_snapshot(self, req: AddSnapshotRequest, receive: Receive) -> list[str]:
-        doomed = await self.store.add_snapshot(req.scope, req.origin, req.path, req.snapshot_id, int(req.budget))
+        doomed = await self.store.add_snapshot(req.scope_key, req.origin, req.path, req.snapshot_id, int(req.budget))
         self.counters.evictions += sum(1 for d in doomed if d != req.snapshot_id)
         return doomed
 
     async def _drop_snapshot(self, req: DropSnapshotRequest, receive: Receive) -> None:
-        await self.store.drop_snapshot(req.scope, req.origin, req.node, req.snapshot_id)
+        await self.store.drop_snapshot(req.scope_key, req.origin, req.node, req.snapshot_id)
 
     async def _snapshots(self, req: SnapshotsRequest, receive: Receive) -> Any:
-        return await self.store.snapshots(req.scope, req.origin)
+        return await self.store.snapshots(req.scope_key, req.origin)
 
     async def _register(self, req: RegisterRequest, receive: Receive) -> None:
-        await self.store.register(TaskInfo(req.key, req.namespace, req.task, req.fingerprint))
+        await self.store.register(TaskInfo(req.scope_key, req.namespace, req.task, req.fingerprint))
 
     async def _tasks(self, req: None, receive: Receive) -> Any:
         return await self.store.tasks()
 
     async def _export(self, req: ExportRequest, receive: Receive) -> Any:
-        return await self.store.export(req.scope, int(req.limit))
+        return await self.store.export(req.scope_key, int(req.limit))
 
     async def _stats(self, req: None, receive: Receive) -> Any:
         return self.counters.reply()

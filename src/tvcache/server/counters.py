@@ -62,19 +62,19 @@ class Counters:
         self.latency: dict[str, Latency] = {}
         self._samples: deque[tuple[float, int, int, int, int, int, float]] = deque(maxlen=SERIES_POINTS)
 
-    def task(self, scope: str) -> _Task:
-        task = self.tasks.get(scope)
+    def task(self, scope_key: str) -> _Task:
+        task = self.tasks.get(scope_key)
         if task is None:
             if len(self.tasks) >= MAX_TASKS:
-                scope = "other"
-                task = self.tasks.get(scope)
+                scope_key = "other"
+                task = self.tasks.get(scope_key)
             if task is None:
-                task = self.tasks[scope] = _Task()
+                task = self.tasks[scope_key] = _Task()
         return task
 
-    def waited_hit(self, scope: str, seconds: float) -> None:
+    def waited_hit(self, scope_key: str, seconds: float) -> None:
         """A wait that ended with the entry: a call answered without executing, like a hit."""
-        task = self.task(scope)
+        task = self.task(scope_key)
         self.waited_hits += 1
         task.hits += 1
         self.seconds_saved += seconds

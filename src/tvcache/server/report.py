@@ -81,7 +81,7 @@ def print_stats(url: str, token: str | None = None) -> StatsReply:
     print(f"tvcache server {urlsplit(url).netloc.rpartition('@')[2]} · {stats.store}")
     print(format_table(rows))
     if stats.tasks:
-        names = {info.key: info for info in tasks}
+        names = {info.scope_key: info for info in tasks}
         per_task = []
         for key, c in sorted(stats.tasks.items(), key=lambda kv: -kv[1].lookups):
             info = names.get(key)

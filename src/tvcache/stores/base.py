@@ -55,9 +55,9 @@ class SnapshotRecord(msgspec.Struct, frozen=True):
 
 
 class TaskInfo(msgspec.Struct, frozen=True):
-    """A scope as people name it; `key` is its root node id in hex, what every other call takes."""
+    """A scope as people name it; `scope_key` is its root node id in hex, what every other call takes."""
 
-    key: str
+    scope_key: str
     namespace: str
     task: str
     fingerprint: str
@@ -84,50 +84,50 @@ class GraphExport(msgspec.Struct, frozen=True):
 
 
 class Store(Protocol):
-    async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
+    async def lookup(self, scope_key: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
         """The entry for `(node, digest)`. On a miss with `claim` > 0, also try to claim it for that many
         seconds: `Claim(token)` if we got it, `Claim(None)` if someone else is executing it. On a miss
         without `claim`, None."""
         ...
 
-    async def wait(self, scope: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
+    async def wait(self, scope_key: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
         """Block until the entry is recorded (return it) or its claim is released or expires (None)."""
         ...
 
-    async def record(self, scope: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
+    async def record(self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
         """Store `entry` unless one exists (first writer wins), release our claim, and return the winner."""
         ...
 
-    async def release(self, scope: str, node: bytes, digest: bytes, token: str) -> None:
+    async def release(self, scope_key: str, node: bytes, digest: bytes, token: str) -> None:
         """Give a claim up without an entry (the execution failed); waiters wake and retry."""
         ...
 
-    async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
+    async def refresh(self, scope_key: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
         """Extend our claim while a long call runs; False if it was lost (expired and taken over)."""
         ...
 
-    async def lease(self, scope: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
+    async def lease(self, scope_key: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
         """Lease the snapshot of `origin` at the deepest node of `path` (root first) that holds one.
 
         A snapshot can be restored only where it was made (the origin: a process, a machine, a registry),
         so every snapshot call names the caller's origin and sees only that origin's snapshots."""
         ...
 
-    async def unlease(self, scope: str, token: str) -> None: ...
+    async def unlease(self, scope_key: str, token: str) -> None: ...
 
     async def add_snapshot(
-        self, scope: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
+        self, scope_key: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
     ) -> list[str]:
         """Attach `snapshot_id` to `path[-1]` (root first), evict down to `budget` snapshots of the origin,
         and return the snapshot ids the caller must now delete from its sandboxes: the evicted ones, and
         `snapshot_id` itself if the node already had a snapshot. Leased snapshots are never evicted."""
         ...
 
-    async def drop_snapshot(self, scope: str, origin: str, node: bytes, snapshot_id: str) -> None:
+    async def drop_snapshot(self, scope_key: str, origin: str, node: bytes, snapshot_id: str) -> None:
         """Forget a snapshot that turned out to be unusable (its restore failed)."""
         ...
 
-    async def snapshots(self, scope: str, origin: str | None = None) -> list[SnapshotRecord]:
+    async def snapshots(self, scope_key: str, origin: str | None = None) -> list[SnapshotRecord]:
         """The scope's snapshots, of one origin or (None) of all."""
         ...
 
@@ -137,7 +137,7 @@ class Store(Protocol):
 
     async def tasks(self) -> list[TaskInfo]: ...
 
-    async def export(self, scope: str, limit: int = 10_000) -> GraphExport:
+    async def export(self, scope_key: str, limit: int = 10_000) -> GraphExport:
         """The scope's graph as data (at most `limit` entries), with hit counts, for dashboards."""
         ...
 

@@ -77,15 +77,15 @@ class EmbeddedEntries:
         self._flights = Flights()
         self._hits: dict[bytes, int] = {}  # node + digest -> hits, for exports
 
-    def _get(self, scope: str, node: bytes, digest: bytes) -> Entry | None:
+    def _get(self, scope_key: str, node: bytes, digest: bytes) -> Entry | None:
         raise NotImplementedError
 
-    def _put(self, scope: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
+    def _put(self, scope_key: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
         """Store `entry` unless one exists; return the one stored."""
         raise NotImplementedError
 
-    async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
-        entry = self._get(scope, node, digest)
+    async def lookup(self, scope_key: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
+        entry = self._get(scope_key, node, digest)
         key = node + digest
         if entry is not None:
             self._hits[key] = self._hits.get(key, 0) + 1
@@ -94,17 +94,17 @@ class EmbeddedEntries:
             return None
         return Claim(self._flights.claim(key, claim))
 
-    async def wait(self, scope: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
+    async def wait(self, scope_key: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
         await self._flights.wait(node + digest, timeout)
-        return self._get(scope, node, digest)
+        return self._get(scope_key, node, digest)
 
-    async def record(self, scope: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
-        winner = self._put(scope, node, digest, entry)
+    async def record(self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
+        winner = self._put(scope_key, node, digest, entry)
         self._flights.finish(node + digest, None)  # any entry ends the flight, whoever claimed it
         return winner
 
-    async def release(self, scope: str, node: bytes, digest: bytes, token: str) -> None:
+    async def release(self, scope_key: str, node: bytes, digest: bytes, token: str) -> None:
         self._flights.finish(node + digest, token)
 
-    async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
+    async def refresh(self, scope_key: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
         return self._flights.refresh(node + digest, token, ttl)

@@ -129,52 +129,52 @@ class HTTPStore:
 
     # -- the Store protocol ----------------------------------------------------------------------------
 
-    async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
-        found: LookupReply = await self._call("lookup", LookupRequest(scope, node, digest, claim), LookupReply)
+    async def lookup(self, scope_key: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
+        found: LookupReply = await self._call("lookup", LookupRequest(scope_key, node, digest, claim), LookupReply)
         return found.entry.entry() if found.entry is not None else found.claim
 
-    async def wait(self, scope: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
-        request = WaitRequest(scope, node, digest, timeout)
+    async def wait(self, scope_key: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
+        request = WaitRequest(scope_key, node, digest, timeout)
         found: WireEntry | None = await self._call("wait", request, WireEntry | None, wait=timeout)
         return found.entry() if found is not None else None
 
-    async def record(self, scope: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
-        request = RecordRequest(scope, node, digest, WireEntry.of(entry), token)
+    async def record(self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
+        request = RecordRequest(scope_key, node, digest, WireEntry.of(entry), token)
         return (await self._call("record", request, WireEntry)).entry()
 
-    async def release(self, scope: str, node: bytes, digest: bytes, token: str) -> None:
-        await self._call("release", ReleaseRequest(scope, node, digest, token), None)
+    async def release(self, scope_key: str, node: bytes, digest: bytes, token: str) -> None:
+        await self._call("release", ReleaseRequest(scope_key, node, digest, token), None)
 
-    async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
-        return await self._call("refresh", RefreshRequest(scope, node, digest, token, ttl), bool)
+    async def refresh(self, scope_key: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
+        return await self._call("refresh", RefreshRequest(scope_key, node, digest, token, ttl), bool)
 
-    async def lease(self, scope: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
-        return await self._call("lease", LeaseRequest(scope, origin, list(path), ttl), Lease | None)
+    async def lease(self, scope_key: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
+        return await self._call("lease", LeaseRequest(scope_key, origin, list(path), ttl), Lease | None)
 
-    async def unlease(self, scope: str, token: str) -> None:
-        await self._call("unlease", UnleaseRequest(scope, token), None)
+    async def unlease(self, scope_key: str, token: str) -> None:
+        await self._call("unlease", UnleaseRequest(scope_key, token), None)
 
     async def add_snapshot(
-        self, scope: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
+        self, scope_key: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
     ) -> list[str]:
-        request = AddSnapshotRequest(scope, origin, list(path), snapshot_id, budget)
+        request = AddSnapshotRequest(scope_key, origin, list(path), snapshot_id, budget)
         return await self._call("add_snapshot", request, list[str])
 
-    async def drop_snapshot(self, scope: str, origin: str, node: bytes, snapshot_id: str) -> None:
-        await self._call("drop_snapshot", DropSnapshotRequest(scope, origin, node, snapshot_id), None)
+    async def drop_snapshot(self, scope_key: str, origin: str, node: bytes, snapshot_id: str) -> None:
+        await self._call("drop_snapshot", DropSnapshotRequest(scope_key, origin, node, snapshot_id), None)
 
-    async def snapshots(self, scope: str, origin: str | None = None) -> list[SnapshotRecord]:
-        return await self._call("snapshots", SnapshotsRequest(scope, origin), list[SnapshotRecord])
+    async def snapshots(self, scope_key: str, origin: str | None = None) -> list[SnapshotRecord]:
+        return await self._call("snapshots", SnapshotsRequest(scope_key, origin), list[SnapshotRecord])
 
     async def register(self, info: TaskInfo) -> None:
-        request = RegisterRequest(info.key, info.namespace, info.task, info.fingerprint)
+        request = RegisterRequest(info.scope_key, info.namespace, info.task, info.fingerprint)
         await self._call("register", request, None)
 
     async def tasks(self) -> list[TaskInfo]:
         return await self._call("tasks", None, list[TaskInfo])
 
-    async def export(self, scope: str, limit: int = 10_000) -> GraphExport:
-        return await self._call("export", ExportRequest(scope, limit), GraphExport)
+    async def export(self, scope_key: str, limit: int = 10_000) -> GraphExport:
+        return await self._call("export", ExportRequest(scope_key, limit), GraphExport)
 
     async def close(self) -> None:
         closer, self._closer, self._session = self._closer, None, None

@@ -42,20 +42,20 @@ class MemoryStore(EmbeddedEntries):
         super().__init__()
         self._tasks: dict[str, _Task] = {}
 
-    def _task(self, scope: str) -> _Task:
-        task = self._tasks.get(scope)
+    def _task(self, scope_key: str) -> _Task:
+        task = self._tasks.get(scope_key)
         if task is None:
-            task = self._tasks[scope] = _Task()
+            task = self._tasks[scope_key] = _Task()
         return task
 
-    def _get(self, scope: str, node: bytes, digest: bytes) -> Entry | None:
-        return self._task(scope).entries.get(node + digest)
+    def _get(self, scope_key: str, node: bytes, digest: bytes) -> Entry | None:
+        return self._task(scope_key).entries.get(node + digest)
 
-    def _put(self, scope: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
-        return self._task(scope).entries.setdefault(node + digest, entry)
+    def _put(self, scope_key: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
+        return self._task(scope_key).entries.setdefault(node + digest, entry)
 
-    async def lease(self, scope: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
-        task = self._task(scope)
+    async def lease(self, scope_key: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
+        task = self._task(scope_key)
         mine = task.snapshots.get(origin, {})
         for node in reversed(path):
             snap = mine.get(node)
@@ -68,39 +68,39 @@ class MemoryStore(EmbeddedEntries):
                 return Lease(node, snap.snapshot_id, token)
         return None
 
-    async def unlease(self, scope: str, token: str) -> None:
-        task = self._task(scope)
+    async def unlease(self, scope_key: str, token: str) -> None:
+        task = self._task(scope_key)
         origin, node = task.leases.pop(token, ("", b""))
         snap = task.snapshots.get(origin, {}).get(node)
         if snap is not None:
             snap.leases.pop(token, None)
 
     async def add_snapshot(
-        self, scope: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
+        self, scope_key: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
     ) -> list[str]:
-        mine = self._task(scope).snapshots.setdefault(origin, {})
+        mine = self._task(scope_key).snapshots.setdefault(origin, {})
         node = path[-1]
         if node in mine:
             return [snapshot_id]
         parent = next((n for n in reversed(path[:-1]) if n in mine), None)
         mine[node] = _Snapshot(snapshot_id, parent, time.time())
-        evicted = choose_evictions(self._records(scope, origin), budget, node)
+        evicted = choose_evictions(self._records(scope_key, origin), budget, node)
         for record in evicted:
             del mine[record.node]
         return [r.snapshot_id for r in evicted]
 
-    async def drop_snapshot(self, scope: str, origin: str, node: bytes, snapshot_id: str) -> None:
-        mine = self._task(scope).snapshots.get(origin, {})
+    async def drop_snapshot(self, scope_key: str, origin: str, node: bytes, snapshot_id: str) -> None:
+        mine = self._task(scope_key).snapshots.get(origin, {})
         snap = mine.get(node)
         if snap is not None and snap.snapshot_id == snapshot_id:
             del mine[node]
 
-    async def snapshots(self, scope: str, origin: str | None = None) -> list[SnapshotRecord]:
-        return self._records(scope, origin)
+    async def snapshots(self, scope_key: str, origin: str | None = None) -> list[SnapshotRecord]:
+        return self._records(scope_key, origin)
 
-    def _records(self, scope: str, origin: str | None) -> list[SnapshotRecord]:
+    def _records(self, scope_key: str, origin: str | None) -> list[SnapshotRecord]:
         now = time.time()
-        task = self._task(scope)
+        task = self._task(scope_key)
         return [
             SnapshotRecord(o, node, s.snapshot_id, s.parent, s.last_used, s.leased(now))
             for o, mine in task.snapshots.items()
@@ -109,16 +109,16 @@ class MemoryStore(EmbeddedEntries):
         ]
 
     async def register(self, info: TaskInfo) -> None:
-        self._task(info.key).info = info
+        self._task(info.scope_key).info = info
 
     async def tasks(self) -> list[TaskInfo]:
         return [t.info for t in self._tasks.values() if t.info is not None]
 
-    async def export(self, scope: str, limit: int = 10_000) -> GraphExport:
-        task = self._task(scope)
+    async def export(self, scope_key: str, limit: int = 10_000) -> GraphExport:
+        task = self._task(scope_key)
         items = list(task.entries.items())
         entries = export_entries(((k[:16], k[16:], e, self._hits.get(k, 0)) for k, e in items[:limit]))
-        return GraphExport(task.info, entries, self._records(scope, None), len(items) > limit)
+        return GraphExport(task.info, entries, self._records(scope_key, None), len(items) > limit)
 
     async def close(self) -> None:
         self._tasks.clear()

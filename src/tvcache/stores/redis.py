@@ -5,9 +5,9 @@
 
 Every method is one Lua script (EVALSHA, falling back to EVAL when the server has not cached it) or one
 command, so each step of the per-call algorithm is atomic on the server and costs one round trip. Every key of
-a scope carries the hash tag `{scope}`: a scope lives in one cluster slot, so its scripts run on one node.
+a scope carries the hash tag `{scope key}`: a scope lives in one cluster slot, so its scripts run on one node.
 
-Keys of scope S, all under the prefix `tvc:{S}:` (`<hex>` is node + digest in hex):
+Keys of the scope whose key is S, all under the prefix `tvc:{S}:` (`<hex>` is node + digest in hex):
 
     entries            hash    node + digest -> msgpack Entry; first writer wins (HSETNX)
     hits               hash    node + digest -> how many lookups hit it, for export
@@ -455,13 +455,13 @@ class RedisStore:
     def _error(self, exc: BaseException) -> StoreError:
         return StoreError(f"redis store at {self._where}: {type(exc).__name__}: {exc}")
 
-    def _scope(self, scope: str) -> _Keys:
-        keys = self._keys.get(scope)
+    def _scope(self, scope_key: str) -> _Keys:
+        keys = self._keys.get(scope_key)
         if keys is None:
-            if not scope or "{" in scope or "}" in scope:
-                raise ValueError(f"a scope key must be non-empty and hold no braces: {scope!r}")
-            prefix = f"{self._prefix}:{{{scope}}}:"
-            keys = self._keys[scope] = _Keys(prefix, prefix + "entries", prefix + "hits", prefix + "origins")
+            if not scope_key or "{" in scope_key or "}" in scope_key:
+                raise ValueError(f"a scope key must be non-empty and hold no braces: {scope_key!r}")
+            prefix = f"{self._prefix}:{{{scope_key}}}:"
+            keys = self._keys[scope_key] = _Keys(prefix, prefix + "entries", prefix + "hits", prefix + "origins")
         return keys
 
     async def _eval(self, script: _Script, keys: Sequence[_Arg], args: Sequence[_Arg]) -> Any:
@@ -493,8 +493,8 @@ class RedisStore:
 
     # -- entries and claims ------------------------------------------------------------------------------
 
-    async def lookup(self, scope: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
-        keys = self._scope(scope)
+    async def lookup(self, scope_key: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
+        keys = self._scope(scope_key)
         field = node + digest
         claim_ms = max(1, round(claim * 1000)) if claim > 0 else 0
         token = secrets.token_hex(8) if claim_ms else ""
@@ -507,8 +507,8 @@ class RedisStore:
             return None
         return Claim(token if found == 1 else None)
 
-    async def wait(self, scope: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
-        keys = self._scope(scope)
+    async def wait(self, scope_key: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
+        keys = self._scope(scope_key)
         field = node + digest
         name = field.hex()
         claim, waiters, wake = (f"{keys.prefix}{kind}:{name}" for kind in ("claim", "waiters", "wake"))
@@ -524,8 +524,8 @@ class RedisStore:
             # anew, and a spurious wake-up (a stale element) costs one round trip.
             await self._block(wake, min(left, found / 1000 + 0.002))
 
-    async def record(self, scope: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
-        keys = self._scope(scope)
+    async def record(self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
+        keys = self._scope(scope_key)
         field = node + digest
         name = field.hex()
         earlier = await self._eval(
@@ -535,16 +535,16 @@ class RedisStore:
         )
         return entry if earlier is None else self._entry(earlier)
 
-    async def release(self, scope: str, node: bytes, digest: bytes, token: str) -> None:
-        prefix, name = self._scope(scope).prefix, (node + digest).hex()
+    async def release(self, scope_key: str, node: bytes, digest: bytes, token: str) -> None:
+        prefix, name = self._scope(scope_key).prefix, (node + digest).hex()
         await self._eval(
             _RELEASE,
             (f"{prefix}claim:{name}", f"{prefix}waiters:{name}", f"{prefix}wake:{name}"),
             (token, WAKE_SECONDS),
         )
 
-    async def refresh(self, scope: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
-        claim = f"{self._scope(scope).prefix}claim:{(node + digest).hex()}"
+    async def refresh(self, scope_key: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
+        claim = f"{self._scope(scope_key).prefix}claim:{(node + digest).hex()}"
         return bool(await self._eval(_REFRESH, (claim,), (token, max(1, round(ttl * 1000)))))
 
     def _entry(self, blob: bytes) -> Entry:
@@ -555,42 +555,42 @@ class RedisStore:
 
     # -- snapshots ---------------------------------------------------------------------------------------
 
-    async def lease(self, scope: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
+    async def lease(self, scope_key: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
         if not path:
             return None
-        keys = self._scope(scope)
+        keys = self._scope(scope_key)
         nonce = secrets.token_hex(8)
         found = await self._eval(_LEASE, (keys.origins,), (keys.prefix, origin, ttl, nonce, *path))
         if found is None:
             return None
         node, snapshot_id = found
-        # The token names what it leases, so `unlease(scope, token)` needs no table to find it.
+        # The token names what it leases, so `unlease(scope_key, token)` needs no table to find it.
         return Lease(node, snapshot_id.decode(), f"{nonce}{node.hex()}{origin}")
 
-    async def unlease(self, scope: str, token: str) -> None:
+    async def unlease(self, scope_key: str, token: str) -> None:
         nonce, node, origin = token[:16], token[16:48], token[48:]
         try:
             member = bytes.fromhex(node) + nonce.encode()
         except ValueError:
             return  # not a token of ours: nothing is leased under it
-        keys = self._scope(scope)
+        keys = self._scope(scope_key)
         await self._eval(_UNLEASE, (keys.origins,), (keys.prefix, origin, member))
 
     async def add_snapshot(
-        self, scope: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
+        self, scope_key: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
     ) -> list[str]:
         if not path:
             raise ValueError("add_snapshot needs the path to the snapshot's node, root first")
-        keys = self._scope(scope)
+        keys = self._scope(scope_key)
         doomed = await self._eval(_ADD_SNAPSHOT, (keys.origins,), (keys.prefix, origin, budget, snapshot_id, *path))
         return [sid.decode() for sid in doomed]
 
-    async def drop_snapshot(self, scope: str, origin: str, node: bytes, snapshot_id: str) -> None:
-        keys = self._scope(scope)
+    async def drop_snapshot(self, scope_key: str, origin: str, node: bytes, snapshot_id: str) -> None:
+        keys = self._scope(scope_key)
         await self._eval(_DROP_SNAPSHOT, (keys.origins,), (keys.prefix, origin, node, snapshot_id))
 
-    async def snapshots(self, scope: str, origin: str | None = None) -> list[SnapshotRecord]:
-        keys = self._scope(scope)
+    async def snapshots(self, scope_key: str, origin: str | None = None) -> list[SnapshotRecord]:
+        keys = self._scope(scope_key)
         rows = await self._eval(
             _SNAPSHOTS, (keys.origins,), (keys.prefix,) if origin is None else (keys.prefix, origin)
         )
@@ -599,16 +599,16 @@ class RedisStore:
     # -- tasks and export --------------------------------------------------------------------------------
 
     async def register(self, info: TaskInfo) -> None:
-        await self._command("HSETNX", self._tasks_key, info.key, _encode(info))
+        await self._command("HSETNX", self._tasks_key, info.scope_key, _encode(info))
 
     async def tasks(self) -> list[TaskInfo]:
         return [_decode_task(blob) for blob in await self._command("HVALS", self._tasks_key)]
 
-    async def export(self, scope: str, limit: int = 10_000) -> GraphExport:
-        keys = self._scope(scope)
+    async def export(self, scope_key: str, limit: int = 10_000) -> GraphExport:
+        keys = self._scope(scope_key)
         # The task registry lives in its own slot, so it is asked alongside, not inside, the scope's script.
         info, (truncated, rows, snapshots) = await asyncio.gather(
-            self._command("HGET", self._tasks_key, scope),
+            self._command("HGET", self._tasks_key, scope_key),
             self._eval(_EXPORT, (keys.origins, keys.entries, keys.hits), (keys.prefix, max(0, limit))),
         )
         entries = export_entries((f[:16], f[16:], self._entry(blob), int(hits)) for f, blob, hits in rows)
@@ -616,14 +616,14 @@ class RedisStore:
             _decode_task(info) if info is not None else None, entries, _records(snapshots), bool(truncated)
         )
 
-    async def forget(self, scope: str) -> None:
+    async def forget(self, scope_key: str) -> None:
         """Delete a scope's entries, hit counts, snapshot records and its name: for scopes nobody will use
-        again (a changed environment gets a new scope, so the old one only takes memory). The caller deletes
+        again (a changed environment gets a new scope_key, so the old one only takes memory). The caller deletes
         the snapshots themselves from its sandboxes first (see `snapshots`)."""
-        keys = self._scope(scope)
+        keys = self._scope(scope_key)
         await asyncio.gather(
             self._eval(_FORGET, (keys.origins, keys.entries, keys.hits), (keys.prefix,)),
-            self._command("HDEL", self._tasks_key, scope),
+            self._command("HDEL", self._tasks_key, scope_key),
         )
 
     async def close(self) -> None:

@@ -61,7 +61,7 @@ class SQLiteStore(EmbeddedEntries):
         self.path = path
         self._entries: dict[bytes, Entry] = {}
 
-    def _get(self, scope: str, node: bytes, digest: bytes) -> Entry | None:
+    def _get(self, scope_key: str, node: bytes, digest: bytes) -> Entry | None:
         key = node + digest
         entry = self._entries.get(key)
         if entry is None:
@@ -73,14 +73,14 @@ class SQLiteStore(EmbeddedEntries):
             entry = self._entries[key] = Entry(*row)
         return entry
 
-    def _put(self, scope: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
+    def _put(self, scope_key: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
         self._db.execute(
             "INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (node, digest, scope, entry.kind, entry.output, entry.seconds, entry.call),
+            (node, digest, scope_key, entry.kind, entry.output, entry.seconds, entry.call),
         )
-        return self._get(scope, node, digest) or entry
+        return self._get(scope_key, node, digest) or entry
 
-    async def lease(self, scope: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
+    async def lease(self, scope_key: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
         if not path:
             return None
         with self._db:  # one transaction: another process cannot evict between the find and the lease
@@ -89,82 +89,86 @@ class SQLiteStore(EmbeddedEntries):
             rows = dict(
                 self._db.execute(
                     f"SELECT node, snapshot_id FROM snapshots WHERE scope = ? AND origin = ? AND node IN ({marks})",
-                    (scope, origin, *path),
+                    (scope_key, origin, *path),
                 ).fetchall()
             )
             node = next((n for n in reversed(path) if n in rows), None)
             if node is None:
                 return None
             now, token = time.time(), secrets.token_hex(8)
-            self._db.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?)", (token, scope, origin, node, now + ttl))
+            self._db.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?)", (token, scope_key, origin, node, now + ttl))
             self._db.execute(
                 "UPDATE snapshots SET last_used = ? WHERE scope = ? AND origin = ? AND node = ?",
-                (now, scope, origin, node),
+                (now, scope_key, origin, node),
             )
             return Lease(node, rows[node], token)
 
-    async def unlease(self, scope: str, token: str) -> None:
+    async def unlease(self, scope_key: str, token: str) -> None:
         self._db.execute("DELETE FROM leases WHERE token = ?", (token,))
 
     async def add_snapshot(
-        self, scope: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
+        self, scope_key: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
     ) -> list[str]:
         node = path[-1]
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
-            records = {r.node: r for r in self._records(scope, origin)}
+            records = {r.node: r for r in self._records(scope_key, origin)}
             if node in records:
                 return [snapshot_id]
             parent = next((n for n in reversed(path[:-1]) if n in records), None)
             now = time.time()
             self._db.execute(
-                "INSERT INTO snapshots VALUES (?, ?, ?, ?, ?, ?)", (scope, origin, node, snapshot_id, parent, now)
+                "INSERT INTO snapshots VALUES (?, ?, ?, ?, ?, ?)", (scope_key, origin, node, snapshot_id, parent, now)
             )
             records[node] = SnapshotRecord(origin, node, snapshot_id, parent, now, False)
             evicted = choose_evictions(records.values(), budget, node)
             self._db.executemany(
                 "DELETE FROM snapshots WHERE scope = ? AND origin = ? AND node = ?",
-                [(scope, origin, r.node) for r in evicted],
+                [(scope_key, origin, r.node) for r in evicted],
             )
         return [r.snapshot_id for r in evicted]
 
-    async def drop_snapshot(self, scope: str, origin: str, node: bytes, snapshot_id: str) -> None:
+    async def drop_snapshot(self, scope_key: str, origin: str, node: bytes, snapshot_id: str) -> None:
         self._db.execute(
             "DELETE FROM snapshots WHERE scope = ? AND origin = ? AND node = ? AND snapshot_id = ?",
-            (scope, origin, node, snapshot_id),
+            (scope_key, origin, node, snapshot_id),
         )
 
-    async def snapshots(self, scope: str, origin: str | None = None) -> list[SnapshotRecord]:
-        return self._records(scope, origin)
+    async def snapshots(self, scope_key: str, origin: str | None = None) -> list[SnapshotRecord]:
+        return self._records(scope_key, origin)
 
-    def _records(self, scope: str, origin: str | None) -> list[SnapshotRecord]:
+    def _records(self, scope_key: str, origin: str | None) -> list[SnapshotRecord]:
         now = time.time()
         self._db.execute("DELETE FROM leases WHERE expiry <= ?", (now,))
-        leased = set(self._db.execute("SELECT origin, node FROM leases WHERE scope = ?", (scope,)).fetchall())
+        leased = set(self._db.execute("SELECT origin, node FROM leases WHERE scope = ?", (scope_key,)).fetchall())
         rows = self._db.execute(
             "SELECT origin, node, snapshot_id, parent, last_used FROM snapshots WHERE scope = ?"
             + (" AND origin = ?" if origin is not None else ""),
-            (scope, origin) if origin is not None else (scope,),
+            (scope_key, origin) if origin is not None else (scope_key,),
         ).fetchall()
         return [SnapshotRecord(o, n, sid, parent, used, (o, n) in leased) for o, n, sid, parent, used in rows]
 
     async def register(self, info: TaskInfo) -> None:
         self._db.execute(
-            "INSERT OR IGNORE INTO tasks VALUES (?, ?, ?, ?)", (info.key, info.namespace, info.task, info.fingerprint)
+            "INSERT OR IGNORE INTO tasks VALUES (?, ?, ?, ?)",
+            (info.scope_key, info.namespace, info.task, info.fingerprint),
         )
 
     async def tasks(self) -> list[TaskInfo]:
         return [TaskInfo(*row) for row in self._db.execute("SELECT key, namespace, task, fingerprint FROM tasks")]
 
-    async def export(self, scope: str, limit: int = 10_000) -> GraphExport:
-        row = self._db.execute("SELECT key, namespace, task, fingerprint FROM tasks WHERE key = ?", (scope,)).fetchone()
+    async def export(self, scope_key: str, limit: int = 10_000) -> GraphExport:
+        row = self._db.execute(
+            "SELECT key, namespace, task, fingerprint FROM tasks WHERE key = ?", (scope_key,)
+        ).fetchone()
         rows = self._db.execute(
-            "SELECT node, digest, kind, output, seconds, call FROM entries WHERE scope = ? LIMIT ?", (scope, limit + 1)
+            "SELECT node, digest, kind, output, seconds, call FROM entries WHERE scope = ? LIMIT ?",
+            (scope_key, limit + 1),
         ).fetchall()
         entries = export_entries(
             (n, d, Entry(k, o, s, c), self._hits.get(n + d, 0)) for n, d, k, o, s, c in rows[:limit]
         )
-        return GraphExport(TaskInfo(*row) if row else None, entries, self._records(scope, None), len(rows) > limit)
+        return GraphExport(TaskInfo(*row) if row else None, entries, self._records(scope_key, None), len(rows) > limit)
 
     async def close(self) -> None:
         self._entries.clear()

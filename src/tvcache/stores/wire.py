@@ -83,21 +83,21 @@ class WireEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 # Requests refuse unknown fields: a misspelt argument must not be silently ignored.
 class LookupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    scope: ScopeKey
+    scope_key: ScopeKey
     node: NodeId
     digest: Digest
     claim: Seconds = 0.0
 
 
 class WaitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    scope: ScopeKey
+    scope_key: ScopeKey
     node: NodeId
     digest: Digest
     timeout: Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT)]
 
 
 class RecordRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    scope: ScopeKey
+    scope_key: ScopeKey
     node: NodeId
     digest: Digest
     entry: WireEntry
@@ -105,14 +105,14 @@ class RecordRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ReleaseRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    scope: ScopeKey
+    scope_key: ScopeKey
     node: NodeId
     digest: Digest
     token: Token
 
 
 class RefreshRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    scope: ScopeKey
+    scope_key: ScopeKey
     node: NodeId
     digest: Digest
     token: Token
@@ -120,19 +120,19 @@ class RefreshRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class LeaseRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    scope: ScopeKey
+    scope_key: ScopeKey
     origin: Name
     path: Path
     ttl: Seconds
 
 
 class UnleaseRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    scope: ScopeKey
+    scope_key: ScopeKey
     token: Token
 
 
 class AddSnapshotRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    scope: ScopeKey
+    scope_key: ScopeKey
     origin: Name
     path: Annotated[list[NodeId], msgspec.Meta(min_length=1, max_length=MAX_PATH)]
     snapshot_id: Name
@@ -140,26 +140,26 @@ class AddSnapshotRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True
 
 
 class DropSnapshotRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    scope: ScopeKey
+    scope_key: ScopeKey
     origin: Name
     node: NodeId
     snapshot_id: Name
 
 
 class SnapshotsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    scope: ScopeKey
+    scope_key: ScopeKey
     origin: Name | None = None
 
 
 class RegisterRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    key: ScopeKey
+    scope_key: ScopeKey
     namespace: Text
     task: Text
     fingerprint: Text
 
 
 class ExportRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    scope: ScopeKey
+    scope_key: ScopeKey
     limit: Annotated[float, msgspec.Meta(ge=0, le=MAX_EXPORT, multiple_of=1)] = 10_000
 
 

@@ -89,7 +89,7 @@ class _Connection(asyncio.Protocol):
 def _payloads(host: str, port: int) -> list[bytes]:
     out = []
     for i in range(ENTRIES):
-        body = msgspec.json.encode({"scope": SCOPE, "node": NODE, "digest": _digest(i)})
+        body = msgspec.json.encode({"scope_key": SCOPE, "node": NODE, "digest": _digest(i)})
         head = (
             f"POST /v1/lookup HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n"

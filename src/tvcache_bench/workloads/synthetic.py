@@ -156,7 +156,7 @@ async def _graph_size(cache: ToolCache) -> tuple[int, int]:
     """(entries, edges) of every task in the cache's store."""
     entries = edges = 0
     for info in await cache.store.tasks():
-        export = await cache.store.export(info.key, limit=10**9)
+        export = await cache.store.export(info.scope_key, limit=10**9)
         entries += len(export.entries)
         edges += sum(1 for e in export.entries if e.kind == EDGE)
     return entries, edges

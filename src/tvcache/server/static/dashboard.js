@@ -133,12 +133,12 @@ function renderTasks(stats) {
   const list = document.getElementById("task-list");
   document.getElementById("no-tasks").hidden = tasks.length > 0;
   const counts = stats.tasks || {};
-  const ordered = [...tasks].sort((a, b) => (counts[b.key]?.lookups || 0) - (counts[a.key]?.lookups || 0) || a.task.localeCompare(b.task));
-  if (!selected && ordered.length) selected = ordered[0].key;
+  const ordered = [...tasks].sort((a, b) => (counts[b.scope_key]?.lookups || 0) - (counts[a.scope_key]?.lookups || 0) || a.task.localeCompare(b.task));
+  if (!selected && ordered.length) selected = ordered[0].scope_key;
   list.replaceChildren(
     ...ordered.map((info) => {
-      const c = counts[info.key] || { lookups: 0, hits: 0, records: 0, seconds_saved: 0 };
-      const li = el("li", { "data-task": info.key, class: info.key === selected ? "selected" : "" });
+      const c = counts[info.scope_key] || { lookups: 0, hits: 0, records: 0, seconds_saved: 0 };
+      const li = el("li", { "data-task": info.scope_key, class: info.scope_key === selected ? "selected" : "" });
       li.append(el("div", { class: "name" }, info.task));
       li.append(
         el(
@@ -148,7 +148,7 @@ function renderTasks(stats) {
         ),
       );
       li.addEventListener("click", () => {
-        selected = info.key;
+        selected = info.scope_key;
         selectedNode = null;
         lastGraphKey = "";
         refreshGraph();
@@ -309,7 +309,7 @@ async function refreshStats() {
 async function refreshGraph() {
   if (!selected) return;
   try {
-    const graph = await api("/v1/export", { scope: selected, limit: GRAPH_LIMIT });
+    const graph = await api("/v1/export", { scope_key: selected, limit: GRAPH_LIMIT });
     // Redraw only when something changed, so hovering and scrolling are not disturbed every few seconds.
     const key = selected + JSON.stringify(graph.entries.map((e) => e.hits)) + graph.entries.length + graph.snapshots.length;
     if (key !== lastGraphKey) {
