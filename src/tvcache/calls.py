@@ -8,6 +8,7 @@ process and on every machine, which is what lets rollouts share entries without 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -15,11 +16,15 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["KeyFunction", "ToolCall", "Tools", "canonical_json"]
+__all__ = ["Args", "KeyFunction", "ToolCall", "Tools", "canonical_json", "parse_arguments", "parse_tool_call"]
 
 DIGEST_SIZE = 16
 
 KeyFunction = Callable[[dict[str, Any]], dict[str, Any]]
+
+#: A call's arguments as a tool receives them: a JSON object, or the raw text a model emitted when that text
+#: was not a JSON object (see `parse_arguments`).
+Args = dict[str, Any] | str
 
 
 _encode = msgspec.json.Encoder(order="sorted").encode
@@ -59,31 +64,92 @@ def canonical_json(value: Any) -> bytes:
     Non-JSON values raise `TypeError` naming the offending type; NaN and infinities raise `ValueError`.
     """
     _check(value)
-    return _encode(value)
+    try:
+        return _encode(value)
+    except OverflowError:
+        # msgspec stops at 64-bit integers; JSON has no limit, and the standard library writes the same text.
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_arguments(text: str) -> Args:
+    """Arguments as chat models emit them, a JSON string: the object it encodes, or else the text itself.
+
+    Models emit malformed JSON now and then; such a call is keyed by its raw text and reaches the tool unchanged,
+    so it gets the tool's own error message every time, from the cache or not. Only a JSON object counts as
+    arguments (a number, a list, `null` or an empty string stay text), so `"{}"` and `""` are different calls.
+    """
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except ValueError:  # JSONDecodeError, NaN or Infinity, or nesting too deep
+        return text
+    except RecursionError:
+        return text
+    return value if type(value) is dict else text
+
+
+def parse_tool_call(obj: Any) -> tuple[str, Args]:
+    """`(tool, args)` of a tool call in the form a chat API returns it, for `Rollout.call(*parse_tool_call(c))`.
+
+    Accepts OpenAI chat-completions tool calls (`{"type": "function", "function": {"name", "arguments"}}`, or
+    the SDK's objects with `.function.name` / `.function.arguments`), OpenAI Responses function calls
+    (`{"type": "function_call", "name", "arguments"}`), Anthropic `tool_use` blocks (`{"type": "tool_use",
+    "name", "input"}`) and plain `{"name", "arguments"}` mappings. String arguments go through `parse_arguments`.
+    Per-call ids (`id`, `call_id`) are left out: they differ between rollouts and must not split cache entries.
+    """
+
+    def field(source: Any, name: str) -> Any:
+        return source.get(name) if isinstance(source, Mapping) else getattr(source, name, None)
+
+    function = field(obj, "function")
+    source = function if function is not None else obj
+    name = field(source, "name")
+    if not isinstance(name, str):
+        raise TypeError(f"not a tool call (no tool name): {obj!r:.200}")
+    args = field(source, "arguments")
+    if args is None:
+        args = field(source, "input")  # Anthropic
+    if args is None:
+        return name, {}
+    if isinstance(args, str):
+        return name, parse_arguments(args)
+    if isinstance(args, Mapping):
+        return name, dict(args)
+    raise TypeError(f"tool call {name!r}: arguments must be a JSON string or an object, got {type(args).__name__}")
 
 
 @dataclass(frozen=True, slots=True, init=False)
 class ToolCall:
     """One tool call: `tool` with JSON `args`.
 
-    `args` are what the sandbox executes. `key` and `digest` identify the call for caching; they are computed
-    from `args` after an optional key function has dropped per-rollout noise (request ids, socket names),
-    so two calls that differ only in noise share a cache entry while each sandbox still sees its own args.
+    `args` are what the sandbox executes: a dict, or a str when they were given as text that is not a JSON object
+    (see `parse_arguments`; a JSON string that encodes an object is parsed, so `'{"a": 1}'` and `{"a": 1}` are the
+    same call). `key` and `digest` identify the call for caching; they are computed from `args` after an optional
+    key function has dropped per-rollout noise (request ids, socket names), so two calls that differ only in noise
+    share a cache entry while each sandbox still sees its own args.
     """
 
     tool: str
-    args: dict[str, Any]
-    canonical: bytes  # UTF-8 "tool {canonical json of the keyed args}"
+    args: Args
+    canonical: bytes  # UTF-8 "tool {canonical json of the keyed args}" (or "tool \"raw text\"")
     digest: bytes
 
-    def __init__(self, tool: str, args: Mapping[str, Any] | None = None, *, key: KeyFunction | None = None):
+    def __init__(self, tool: str, args: Mapping[str, Any] | str | None = None, *, key: KeyFunction | None = None):
         if tool not in _checked_names:
             _check_name(tool)
-        args = {} if args is None else args
-        if not isinstance(args, Mapping):
-            raise TypeError(f"tool arguments must be a mapping, got {type(args).__name__}")
-        plain = dict(args)
-        keyed = key(dict(plain)) if key is not None else plain
+        plain: Args
+        if args is None:
+            plain = {}
+        elif isinstance(args, str):
+            plain = parse_arguments(args)
+        elif isinstance(args, Mapping):
+            plain = dict(args)
+        else:
+            raise TypeError(f"tool arguments must be a mapping or a JSON string, got {type(args).__name__}")
+        keyed = key(dict(plain)) if key is not None and isinstance(plain, dict) else plain
         canonical = b"%s %s" % (tool.encode(), canonical_json(keyed))
         object.__setattr__(self, "tool", tool)
         object.__setattr__(self, "args", plain)
@@ -136,5 +202,5 @@ class Tools:
         object.__setattr__(self, "uncacheable", frozenset(uncacheable))
         object.__setattr__(self, "key", dict(key or {}))
 
-    def call(self, tool: str, args: Mapping[str, Any] | None = None) -> ToolCall:
+    def call(self, tool: str, args: Mapping[str, Any] | str | None = None) -> ToolCall:
         return ToolCall(tool, args, key=self.key.get(tool))

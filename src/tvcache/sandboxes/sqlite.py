@@ -714,8 +714,8 @@ def _remove(*paths: Path | None) -> None:
 def _query_of(call: ToolCall) -> str:
     if call.tool != TOOL:
         raise ValueError(f"a SQLite sandbox has one tool, {TOOL!r}; got {call.tool!r}")
-    query = call.args.get("query")
-    if set(call.args) != {"query"} or not isinstance(query, str):
+    query = call.args.get("query") if isinstance(call.args, dict) else None
+    if not isinstance(call.args, dict) or set(call.args) != {"query"} or not isinstance(query, str):
         raise ValueError(f'the {TOOL!r} tool takes args {{"query": str}}, got {call.args!r:.200}')
     return query
 

@@ -548,6 +548,8 @@ class WorkspaceSandbox:
         tool, args = call.tool, call.args
         if tool not in TOOLS:
             raise ValueError(f"workspace sandboxes have the tools {', '.join(TOOLS)}; got {tool!r}")
+        if not isinstance(args, dict):
+            raise ValueError(f"{tool} takes a JSON object of arguments, got the text {args[:200]!r}")
         wanted = {"bash": ("command",), "read_file": ("path",), "write_file": ("path", "content")}
         for key in wanted.get(tool, ("path",)):
             if not isinstance(args.get(key), str):
