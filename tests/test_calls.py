@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from tvcache import ToolCall, Tools
+from tvcache.calls import parse_tool_call
 
 
 def test_keys_are_canonical_json() -> None:
@@ -41,9 +43,76 @@ def test_tool_names_must_be_plain(name: object) -> None:
         ToolCall(name, {})  # type: ignore[arg-type]
 
 
-def test_args_must_be_a_mapping() -> None:
-    with pytest.raises(TypeError, match="mapping"):
+def test_args_must_be_a_mapping_or_a_json_string() -> None:
+    with pytest.raises(TypeError, match="mapping or a JSON string"):
         ToolCall("t", ["x"])  # type: ignore[arg-type]
+
+
+# --- arguments as chat models emit them: a JSON string ------------------------------------------------------
+
+
+def test_a_json_string_is_the_object_it_encodes_in_any_key_order() -> None:
+    given = ToolCall("sql", {"query": "SELECT 1", "limit": 5})
+    for text in (
+        '{"query": "SELECT 1", "limit": 5}',
+        '{"limit":5,"query":"SELECT 1"}',
+        ' {\n "limit": 5, "query": "SELECT 1"}',
+    ):
+        call = ToolCall("sql", text)
+        assert call.args == {"query": "SELECT 1", "limit": 5}
+        assert (call.key, call.digest) == (given.key, given.digest)
+
+
+@pytest.mark.parametrize("text", ['{"query": "SELECT 1"', "SELECT 1", "", "null", "[1, 2]", "5", '"x"', '{"x": NaN}'])
+def test_text_that_is_not_a_json_object_is_keyed_raw_and_passed_unchanged(text: str) -> None:
+    call = ToolCall("sql", text)
+    assert call.args == text  # the tool sees exactly what the model wrote, and answers with its own error
+    assert call.key == "sql " + json.dumps(text, ensure_ascii=False, separators=(",", ":"))
+    assert call.digest == ToolCall("sql", text).digest
+    assert call.digest != ToolCall("sql", text + " ").digest
+    assert call.digest != ToolCall("sql", {}).digest
+
+
+def test_a_huge_json_string_parses_and_keys_like_the_object() -> None:
+    rows = [{"id": i, "name": "x" * 50} for i in range(20_000)]
+    text = json.dumps({"rows": rows})
+    assert len(text) > 1_000_000
+    assert ToolCall("insert", text).digest == ToolCall("insert", {"rows": rows}).digest
+    assert ToolCall("insert", text[:-1]).args == text[:-1]  # cut short: raw text, not a crash
+
+
+def test_a_key_function_applies_to_objects_only() -> None:
+    tools = Tools(key={"t": lambda a: {k: v for k, v in a.items() if k != "rid"}})
+    assert tools.call("t", '{"x": 1, "rid": 7}').digest == tools.call("t", {"x": 1, "rid": 8}).digest
+    assert tools.call("t", "not json").args == "not json"
+
+
+def test_integers_past_64_bits_have_a_canonical_key() -> None:
+    big = 2**64 + 1
+    a = ToolCall("t", {"n": big, "s": "é"})
+    assert a.key == 't {"n":18446744073709551617,"s":"é"}'
+    assert a.digest == ToolCall("t", '{"s": "é", "n": 18446744073709551617}').digest
+    assert a.digest != ToolCall("t", {"n": big + 1, "s": "é"}).digest
+
+
+def test_parse_tool_call_reads_openai_and_anthropic_objects() -> None:
+    openai = {"id": "call_1", "type": "function", "function": {"name": "sql", "arguments": '{"query": "SELECT 1"}'}}
+    other_id = {**openai, "id": "call_2"}
+    responses = {"type": "function_call", "call_id": "c", "name": "sql", "arguments": '{"query":"SELECT 1"}'}
+    anthropic = {"type": "tool_use", "id": "toolu_1", "name": "sql", "input": {"query": "SELECT 1"}}
+
+    class Function:  # the attribute form of the OpenAI SDK's objects
+        name, arguments = "sql", '{"query": "SELECT 1"}'
+
+    class SdkCall:
+        id, type, function = "call_3", "function", Function()
+
+    for obj in (openai, other_id, responses, anthropic, SdkCall()):
+        assert parse_tool_call(obj) == ("sql", {"query": "SELECT 1"})
+    assert parse_tool_call({"function": {"name": "sql", "arguments": "SELECT 1"}}) == ("sql", "SELECT 1")
+    assert parse_tool_call({"name": "ls"}) == ("ls", {})
+    with pytest.raises(TypeError, match="no tool name"):
+        parse_tool_call({"arguments": "{}"})
 
 
 def test_key_functions_drop_noise_but_keep_the_args() -> None:

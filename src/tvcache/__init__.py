@@ -11,9 +11,9 @@ Importing this package loads only the core (no servers, no Docker); backends loa
 from typing import Any
 
 from .cache import ToolCache
-from .calls import ToolCall, Tools
+from .calls import ToolCall, Tools, parse_tool_call
 from .graph import Entry, Scope
-from .rollout import Result, Rollout
+from .rollout import Result, Rollout, current_rollout
 from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
 from .stores.base import Store, StoreError
 from .sync import SyncRollout, SyncToolCache
@@ -39,6 +39,8 @@ __all__ = [
     "Tools",
     "WorkspaceSandboxes",
     "__version__",
+    "current_rollout",
+    "parse_tool_call",
 ]
 
 _BACKENDS = {

@@ -6,12 +6,13 @@ own and every store evicts by the same rule.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .stores.base import SnapshotRecord
 
-__all__ = ["Costs", "choose_evictions", "should_snapshot"]
+__all__ = ["Costs", "Route", "cheapest_route", "choose_evictions", "should_snapshot", "worth_leasing"]
 
 
 class _Mean:
@@ -64,6 +65,30 @@ def should_snapshot(rebuild_seconds: float, costs: Costs) -> bool:
     """Snapshot a state when rebuilding it (restore the nearest snapshot or create, then replay the calls
     since) costs more than saving it now and restoring it later."""
     return rebuild_seconds > costs.snapshot + costs.restore
+
+
+class Route(enum.IntEnum):
+    """Ways to bring a live sandbox to a rollout's state; on equal cost the lower value wins (less work)."""
+
+    CATCH_UP = 0  # replay, in the rollout's own sandbox, the edges it skipped as hits
+    FRESH = 1  # a new sandbox from the base, then replay every edge
+    RESTORE = 2  # restore the deepest snapshot on the path, then replay the edges below it
+
+
+def worth_leasing(catch_up: float, fresh: float, restore: float) -> bool:
+    """Whether asking the store for a snapshot to restore is worth a round trip: only when restoring, before any
+    replay, already costs less than the cheaper of the other two routes."""
+    return min(catch_up, fresh) > restore
+
+
+def cheapest_route(catch_up: float, fresh: float, restore: float | None) -> Route:
+    """The cheapest route, given each one's estimated seconds (restore: None when no snapshot is leased).
+
+    Costs include the replays each route needs; `inf` rules a route out (no sandbox to catch up)."""
+    options = [(catch_up, Route.CATCH_UP), (fresh, Route.FRESH)]
+    if restore is not None:
+        options.append((restore, Route.RESTORE))
+    return min(options)[1]
 
 
 def choose_evictions(records: Iterable[SnapshotRecord], budget: int, added: bytes) -> list[SnapshotRecord]:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from .cache import ToolCache
 from .calls import Tools
-from .rollout import Result, Rollout
+from .rollout import Result, Rollout, _current
 from .sandboxes.base import Sandboxes
 
 __all__ = ["SyncRollout", "SyncToolCache"]
@@ -59,6 +59,7 @@ class SyncToolCache:
     def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools | None = None) -> Iterator[SyncRollout]:
         manager: AbstractAsyncContextManager[Rollout] = self.cache.rollout(task, sandboxes, tools)
         rollout = self._run(manager.__aenter__())
+        token = _current.set(rollout)  # in the caller's thread, for `tvcache.current_rollout()` there
         try:
             yield SyncRollout(self, rollout)
         except BaseException as exc:
@@ -66,6 +67,8 @@ class SyncToolCache:
             raise
         else:
             self._run(manager.__aexit__(None, None, None))
+        finally:
+            _current.reset(token)
 
     def prefetch(self, tasks: Iterable[str], sandboxes: Sandboxes, rollouts: int = 8) -> None:
         """Start warming sandboxes in the background and return at once."""

@@ -26,7 +26,8 @@ __all__ = ["run"]
 
 class _EchoBox:
     async def execute(self, call: ToolCall) -> Outcome:
-        return Outcome(call.args.get("text", ""), changed=call.tool != "read")
+        text = call.args.get("text", "") if isinstance(call.args, dict) else call.args
+        return Outcome(text, changed=call.tool != "read")
 
     async def snapshot(self) -> str:
         return "echo"

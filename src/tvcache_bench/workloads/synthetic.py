@@ -51,14 +51,17 @@ TOOLS = Tools(read_only={"read"})
 
 
 async def run_tool(state: dict[str, str], call: ToolCall) -> str:
-    cost = float(call.args.get("cost_ms", 0)) / 1000
+    args = call.args
+    if not isinstance(args, dict):
+        raise ValueError(f"{call.tool} takes a JSON object of arguments")
+    cost = float(args.get("cost_ms", 0)) / 1000
     if cost > 0:
         await asyncio.sleep(cost)
-    key = call.args["key"]
+    key = args["key"]
     if call.tool == "read":
         return f"{key}={state.get(key, '')}"
     if call.tool == "append":
-        state[key] = state.get(key, "") + call.args["value"]
+        state[key] = state.get(key, "") + args["value"]
         return f"{key} has {len(state[key])} chars"
     return f"Error: unknown tool {call.tool!r}"
 

@@ -155,11 +155,14 @@ def execute(db: Db, call: ToolCall) -> tuple[str, bool]:
     tool = _REGISTRY.get(call.tool)
     if tool is None:
         return f"Error: unknown tool {call.tool!r}; the airline tools are {', '.join(TOOLS)}", False
-    problem = _check_args(call.tool, tool.params, call.args)
+    args = call.args
+    if not isinstance(args, dict):
+        return f"Error: the arguments of {call.tool} are not a JSON object: {args[:200]!r}", False
+    problem = _check_args(call.tool, tool.params, args)
     if problem is not None:
         return f"Error: {problem}", False
     try:
-        return tool.impl(db, call.args)
+        return tool.impl(db, args)
     except _Refusal as refusal:
         return f"Error: {refusal}", False
     except (KeyError, ValueError, TypeError, ArithmeticError) as exc:

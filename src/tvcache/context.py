@@ -1,0 +1,129 @@
+"""What a cache shares with its rollouts: the store, the stats, the warm pool, what it knows of each sandbox factory,
+its settings, and how it reacts when the store fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .policy import Costs
+from .sandboxes.base import Sandboxes
+from .stats import Stats
+from .stores.base import Store, StoreError
+from .warm import WarmPool
+
+__all__ = ["Context", "Factory", "OnStoreError", "StoreHealth"]
+
+log = logging.getLogger("tvcache")
+
+#: What a failing store does to a call: "continue" runs it without the cache (training goes on, slower),
+#: "raise" lets the StoreError reach the caller (a misconfigured cache stops the run at once).
+OnStoreError = Literal["continue", "raise"]
+
+_instances = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class Factory:
+    """What the cache knows of one sandbox factory: its measured costs and the origin of its snapshots."""
+
+    costs: Costs
+    origin: str
+
+
+class Factories:
+    """Per sandbox factory object, its `Factory` record, for as long as the object lives.
+
+    Keyed by the object itself, never by `id()`: an id is reused once its object is collected, and a new factory
+    inheriting an old one's origin would be offered the old one's snapshot ids. Each factory instance gets an
+    origin of its own unless it declares a shared one (an `origin` attribute: its snapshots can be restored by
+    every factory that declares the same string, in other processes or on other machines).
+    """
+
+    def __init__(self) -> None:
+        self._weak: weakref.WeakKeyDictionary[Sandboxes, Factory] = weakref.WeakKeyDictionary()
+        self._strong: dict[int, tuple[Sandboxes, Factory]] = {}  # objects that take no weak reference
+
+    def __getitem__(self, sandboxes: Sandboxes) -> Factory:
+        try:
+            known = self._weak.get(sandboxes)
+        except TypeError:  # unhashable or not weak-referenceable: hold it (so its id cannot be reused)
+            pair = self._strong.get(id(sandboxes))
+            known = pair[1] if pair is not None else None
+        if known is not None:
+            return known
+        declared = getattr(sandboxes, "origin", None)
+        origin = str(declared) if declared else f"{socket.gethostname()}:{os.getpid()}:{next(_instances)}"
+        made = Factory(Costs(), origin)
+        try:
+            self._weak[sandboxes] = made
+        except TypeError:
+            self._strong[id(sandboxes)] = (sandboxes, made)
+        return made
+
+
+class StoreHealth:
+    """Counts store failures and says so in the log without flooding it: the first failure at once, then one
+    summary line per `every` seconds while failures go on, and one line when the store answers again."""
+
+    def __init__(self, every: float = 30.0) -> None:
+        self.every = every
+        self.failing = False
+        self._unreported = 0
+        self._last_report = 0.0
+        self._last_error = ""
+
+    def failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        if not self.failing:
+            self.failing = True
+            self._last_report = now
+            log.warning("cache store failed (%s); calls run without the cache until it answers", self._last_error)
+            return
+        self._unreported += 1
+        if now - self._last_report >= self.every:
+            log.warning(
+                "cache store still failing: %d more store errors in the last %.0f s (last: %s)",
+                self._unreported,
+                now - self._last_report,
+                self._last_error,
+            )
+            self._unreported = 0
+            self._last_report = now
+
+    def answered(self) -> None:
+        if self.failing:
+            self.failing = False
+            log.warning("cache store answers again; %d store errors since the last report", self._unreported)
+            self._unreported = 0
+
+
+@dataclass
+class Context:
+    """What a cache hands each of its rollouts."""
+
+    store: Store
+    stats: Stats
+    warm: WarmPool
+    claim_ttl: float
+    lease_ttl: float
+    snapshot_budget: int
+    max_output_bytes: int
+    on_store_error: OnStoreError = "continue"
+    factories: Factories = field(default_factory=Factories)
+    health: StoreHealth = field(default_factory=StoreHealth)
+
+    def store_failed(self, exc: StoreError) -> None:
+        """A store operation failed: count it, say so (rate-limited), and raise if the cache must fail fast."""
+        self.stats.store_errors += 1
+        if self.on_store_error == "raise":
+            raise exc
+        self.health.failed(exc)

@@ -1,0 +1,266 @@
+"""A rollout's live sandbox: made only when a call must execute, brought to the rollout's state by the cheapest
+route, and snapshotted where rebuilding that state later would cost more than saving it now.
+
+The rollout owns its `History` (the edges it took from the root, with their recorded outputs); `LiveSandbox`
+owns the one sandbox that applies them. The sandbox may lag behind the history (the rollout hit edges without
+executing them); `at_cursor()` closes the gap by one of three routes (see `policy.Route`): replay the skipped
+edges in it, restore the deepest snapshot on the path and replay from there, or start a fresh sandbox and replay
+everything. Every replayed output is compared with the recorded one: a difference means a tool is not
+deterministic, and the caller learns that the state it now holds is the sandbox's own, not the graph's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+from .calls import ToolCall
+from .context import Context, Factory
+from .graph import child_id, decode_output, encode_output
+from .policy import Route, cheapest_route, should_snapshot, worth_leasing
+from .sandboxes.base import Sandbox, SandboxError, Sandboxes
+from .stores.base import Lease, StoreError
+
+__all__ = ["History", "LiveSandbox", "Step", "quietly"]
+
+log = logging.getLogger("tvcache")
+
+#: Consecutive failed snapshots after which a live sandbox stops trying: its backend cannot save this state, and
+#: dropping the sandbox after each failure would make every later call replay the whole history.
+MAX_SNAPSHOT_FAILURES = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """An edge a rollout took: the call, the state it led to, the recorded output (to check replays against),
+    and the recorded execution seconds of all edges from the root up to and including this one."""
+
+    node: bytes
+    call: ToolCall
+    output: bytes
+    total: float
+
+
+class History:
+    """The edges a rollout took from the root of its scope, in order; the last one's node is its cursor."""
+
+    def __init__(self, root: bytes):
+        self.root = root
+        self.steps: list[Step] = []
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @property
+    def cursor(self) -> bytes:
+        return self.steps[-1].node if self.steps else self.root
+
+    def advance(self, call: ToolCall, output: bytes, seconds: float) -> None:
+        total = self.seconds(len(self.steps)) + seconds
+        self.steps.append(Step(child_id(self.cursor, call.digest), call, output, total))
+
+    def seconds(self, depth: int, start: int = 0) -> float:
+        """Recorded execution time of the edges from depth `start` to depth `depth`: what replaying them costs."""
+        total = self.steps[depth - 1].total if depth else 0.0
+        return total - (self.steps[start - 1].total if start else 0.0)
+
+    def depth_of(self, node: bytes) -> int:
+        for depth in range(len(self.steps), 0, -1):
+            if self.steps[depth - 1].node == node:
+                return depth
+        raise SandboxError("the store leased a snapshot that is not on this rollout's path")
+
+
+class LiveSandbox:
+    def __init__(self, ctx: Context, sandboxes: Sandboxes, factory: Factory, scope_key: str, history: History):
+        self._ctx = ctx
+        self._sandboxes = sandboxes
+        self._costs = factory.costs
+        self._origin = factory.origin
+        self._scope_key = scope_key
+        self._history = history
+        self._box: Sandbox | None = None
+        self._depth = 0  # how many of the history's edges the sandbox has applied
+        self._snapshot_depth = 0  # the deepest depth known to hold a snapshot (0: the fresh root)
+        self._snapshot_failures = 0
+
+    @property
+    def exists(self) -> bool:
+        return self._box is not None
+
+    async def at_cursor(self, use_store: bool) -> tuple[Sandbox, bool]:
+        """The sandbox at the history's cursor, and whether it reproduced every replayed edge exactly.
+
+        `use_store=False` (the store is down, or the rollout records nothing) rules out restoring snapshots."""
+        target = len(self._history)
+        if self._box is not None and self._depth == target:
+            return self._box, True
+        costs, warm, replay = self._costs, self._ctx.warm, self._history.seconds
+        catch_up = replay(target, self._depth) if self._box is not None else float("inf")
+        fresh_warm = warm.count(("fresh", self._origin, self._scope_key)) > 0
+        fresh = (0.0 if fresh_warm else costs.create) + replay(target)
+        lease = None
+        if use_store and target > 0 and worth_leasing(catch_up, fresh, costs.restore):
+            lease = await self._lease(self._depth + 1 if self._box is not None else 1, target)
+        try:
+            restore = None
+            if lease is not None:
+                depth = self._history.depth_of(lease.node)
+                forked = warm.count(("fork", self._origin, lease.snapshot_id)) > 0
+                restore = (0.0 if forked else costs.restore) + replay(target, depth)
+            route = cheapest_route(catch_up, fresh, restore)
+            if route == Route.RESTORE:
+                assert lease is not None
+                restored = await self._restore(lease)
+                if restored is not None:
+                    await self._replace(restored, depth)
+                    self._snapshot_depth = max(self._snapshot_depth, depth)
+                    return await self._replay_to(target)
+                route = cheapest_route(catch_up, fresh, None)
+        finally:
+            if lease is not None:
+                await quietly(self._ctx.store.unlease(self._scope_key, lease.token))
+        if route == Route.FRESH:
+            await self._replace(await self._create(), 0)
+        return await self._replay_to(target)
+
+    def applied(self) -> None:
+        """The sandbox just executed the history's newest edge itself."""
+        self._depth = len(self._history)
+
+    async def execute(self, call: ToolCall) -> Any:
+        """Run `call` in the sandbox (which must exist). If the sandbox raises, it is in an unknown state: it is
+        dropped (the next call rebuilds one) and the exception reaches the caller."""
+        assert self._box is not None
+        try:
+            return await self._box.execute(call)
+        except BaseException:
+            await self.drop()
+            raise
+
+    async def maybe_snapshot(self) -> None:
+        """Snapshot the sandbox at the cursor when rebuilding this state later (restore the nearest snapshot, or
+        create, then replay) would cost more than saving it now and restoring it then."""
+        if self._box is None or self._snapshot_failures >= MAX_SNAPSHOT_FAILURES:
+            return
+        depth, base = len(self._history), self._snapshot_depth
+        rebuild = self._history.seconds(depth, base) + (self._costs.restore if base else self._costs.create)
+        if not should_snapshot(rebuild, self._costs):
+            return
+        t0 = time.perf_counter()
+        try:
+            snapshot_id = await self._box.snapshot()
+        except Exception as exc:
+            self._snapshot_failures += 1
+            log.warning("snapshot failed (%s); this sandbox is closed and rebuilt on the next call", exc)
+            await self.drop()  # a failed snapshot may have left the sandbox half-saved
+            return
+        self._snapshot_failures = 0
+        self._costs.measured_snapshot.add(time.perf_counter() - t0)
+        stats = self._ctx.stats
+        stats.snapshots += 1
+        path = [self._history.root, *(s.node for s in self._history.steps)]
+        try:
+            doomed = await self._ctx.store.add_snapshot(
+                self._scope_key, self._origin, path, snapshot_id, self._ctx.snapshot_budget
+            )
+        except StoreError as exc:
+            await quietly(self._sandboxes.delete(snapshot_id))  # the store never heard of it
+            self._ctx.store_failed(exc)
+            return
+        if snapshot_id not in doomed:
+            self._snapshot_depth = depth
+        for victim in doomed:
+            stats.evictions += victim != snapshot_id
+            await self._ctx.warm.forget(self._origin, victim)
+            await quietly(self._sandboxes.delete(victim))
+
+    async def drop(self) -> None:
+        box, self._box = self._box, None
+        if box is not None:
+            await quietly(box.close())
+
+    # -- routes ------------------------------------------------------------------------------------------
+
+    async def _lease(self, first_depth: int, target: int) -> Lease | None:
+        nodes = [step.node for step in self._history.steps[first_depth - 1 : target]]
+        try:
+            return await self._ctx.store.lease(self._scope_key, self._origin, nodes, self._ctx.lease_ttl)
+        except StoreError as exc:
+            self._ctx.store_failed(exc)
+            return None
+
+    async def _restore(self, lease: Lease) -> Sandbox | None:
+        stats = self._ctx.stats
+        box = self._ctx.warm.take(("fork", self._origin, lease.snapshot_id))
+        if box is not None:
+            stats.warm += 1
+            return box
+        t0 = time.perf_counter()
+        try:
+            box = await self._sandboxes.restore(lease.snapshot_id)
+        except Exception as exc:
+            # Gone (deleted by another process, lost with its host or in a restart): forget it, take another route.
+            log.warning("restore of snapshot %s failed (%s); falling back", lease.snapshot_id, exc)
+            drop = self._ctx.store.drop_snapshot(self._scope_key, self._origin, lease.node, lease.snapshot_id)
+            await quietly(drop)
+            return None
+        self._costs.measured_restore.add(time.perf_counter() - t0)
+        stats.restores += 1
+        return box
+
+    async def _create(self) -> Sandbox:
+        box = self._ctx.warm.take(("fresh", self._origin, self._scope_key))
+        if box is not None:
+            self._ctx.stats.warm += 1
+            return box
+        t0 = time.perf_counter()
+        box = await self._sandboxes.create()
+        self._costs.measured_create.add(time.perf_counter() - t0)
+        self._ctx.stats.creates += 1
+        return box
+
+    async def _replace(self, box: Sandbox, depth: int) -> None:
+        await self.drop()
+        self._box, self._depth = box, depth
+
+    async def _replay_to(self, target: int) -> tuple[Sandbox, bool]:
+        """Re-execute the edges between the sandbox and the cursor, checking each output against the recorded
+        one. On a difference the rebuilt state may not be the one the rollout saw: stop there and say so (the
+        sandbox now *is* the rollout's state, as it would be without a cache)."""
+        stats = self._ctx.stats
+        box = self._box
+        assert box is not None
+        while self._depth < target:
+            step = self._history.steps[self._depth]
+            t0 = time.perf_counter()
+            outcome = await self.execute(step.call)
+            elapsed = time.perf_counter() - t0
+            stats.replays += 1
+            stats.seconds_replaying += elapsed
+            self._depth += 1
+            if outcome.error or not _same_output(outcome.output, step.output):
+                stats.mismatches += 1
+                log.warning("replay of %r gave a different result than recorded", step.call)
+                self._depth = target
+                return box, False
+        return box, True
+
+
+def _same_output(output: Any, recorded: bytes) -> bool:
+    try:
+        return encode_output(output) == recorded or decode_output(encode_output(output)) == decode_output(recorded)
+    except (TypeError, ValueError):
+        return False
+
+
+async def quietly(awaitable: Awaitable[Any]) -> None:
+    """Cleanup that must not mask the outcome it cleans up after (and runs even when cancelled)."""
+    try:
+        await asyncio.shield(awaitable)
+    except Exception as exc:
+        log.debug("cleanup step failed: %s", exc)
