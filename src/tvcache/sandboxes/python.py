@@ -21,19 +21,17 @@ the cache then assumes the call changed the state.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import hashlib
 import inspect
-import itertools
 import json
 import pickle
-import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 from ..calls import ToolCall
-from .base import Outcome, Output, SandboxError
+from .base import Outcome, Output
+from .lifecycle import ManagedSandbox, ManagedSandboxes
 
 __all__ = ["ChangedFunction", "PythonSandbox", "PythonSandboxes", "RunFunction"]
 
@@ -45,13 +43,15 @@ RunFunction = Callable[[S, ToolCall], Output | Awaitable[Output]]
 ChangedFunction = Callable[[ToolCall, Output], bool | None]
 
 
-class PythonSandboxes(Generic[S]):
+class PythonSandboxes(ManagedSandboxes["PythonSandbox[S]", S], Generic[S]):
     """A factory of sandboxes that are in-process Python objects.
 
     `fingerprint` names the starting state `make()` builds (e.g. a hash of the data it loads): cached results
     are only shared between factories with the same fingerprint, so change it whenever `make` or `run`
-    changes behaviour.
+    changes behaviour. Closing the factory drops its snapshots and closes its sandboxes.
     """
+
+    kind = "py"
 
     def __init__(
         self,
@@ -67,16 +67,11 @@ class PythonSandboxes(Generic[S]):
             raise TypeError("changed must be a callable changed(call, output) -> bool | None, or None")
         if not isinstance(fingerprint, str) or not fingerprint:
             raise ValueError(f"fingerprint must be a non-empty string, got {fingerprint!r}")
+        super().__init__()
         self._make = make
         self._run = run
         self._changed = changed
         self._fingerprint = fingerprint
-        # Ids carry a random token so an id recorded by an earlier process (a durable cache) can never name
-        # a snapshot of this factory by accident: it is simply unknown here.
-        self._token = secrets.token_hex(6)
-        self._ids = itertools.count(1)
-        self._snapshots: dict[str, S] = {}
-        self._closed = False
 
     @property
     def fingerprint(self) -> str:
@@ -97,48 +92,22 @@ class PythonSandboxes(Generic[S]):
         return PythonSandbox(self, obj)
 
     async def restore(self, snapshot_id: str) -> PythonSandbox[S]:
-        self._check_open()
-        try:
-            kept = self._snapshots[snapshot_id]
-        except KeyError:
-            raise SandboxError(f"snapshot {snapshot_id!r} does not exist (deleted, or never made here)") from None
-        return PythonSandbox(self, copy.deepcopy(kept))
+        return PythonSandbox(self, copy.deepcopy(self._lookup(snapshot_id)))
 
     async def delete(self, snapshot_id: str) -> None:
         # Deleting twice is harmless: eviction and cleanup may race.
-        self._snapshots.pop(snapshot_id, None)
-
-    async def close(self) -> None:
-        """Drop every snapshot; the factory cannot be used afterwards."""
-        self._closed = True
-        self._snapshots.clear()
-
-    @property
-    def snapshot_count(self) -> int:
-        """How many snapshots the factory holds (for tests and monitoring)."""
-        return len(self._snapshots)
-
-    def _keep(self, obj: S) -> str:
-        self._check_open()
-        snapshot_id = f"py-{self._token}-{next(self._ids)}"
-        self._snapshots[snapshot_id] = copy.deepcopy(obj)
-        return snapshot_id
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxError("this PythonSandboxes factory is closed")
+        self._forget(snapshot_id)
 
 
-class PythonSandbox(Generic[S]):
-    """One live state object. Calls on it run one at a time, in the order they arrive."""
+class PythonSandbox(ManagedSandbox, Generic[S]):
+    """One live state object. Calls on it run one at a time, in the order they arrive: an async `run` yields
+    to the loop mid-call, and a second call (or a snapshot) must not see, or measure, a state half-way
+    through the first."""
 
     def __init__(self, factory: PythonSandboxes[S], obj: S) -> None:
+        super().__init__(factory)
         self._factory = factory
         self._obj = obj
-        self._closed = False
-        # An async `run` yields to the loop mid-call; the lock keeps a second call (or a snapshot) from
-        # seeing, or measuring, a state half-way through the first.
-        self._lock = asyncio.Lock()
         # Digest of the state as it is now, or None when it must be recomputed (start, after a failed call).
         self._digest: bytes | None = None
 
@@ -149,8 +118,7 @@ class PythonSandbox(Generic[S]):
         return self._obj
 
     async def execute(self, call: ToolCall) -> Outcome:
-        async with self._lock:
-            self._check_open()
+        async with self._turn():
             return await self._execute(call)
 
     async def _execute(self, call: ToolCall) -> Outcome:
@@ -172,22 +140,16 @@ class PythonSandbox(Generic[S]):
         return Outcome(output, changed=changed)
 
     async def snapshot(self) -> str:
-        async with self._lock:
-            self._check_open()
-            return self._factory._keep(self._obj)
+        async with self._turn():
+            return self._factory._keep(copy.deepcopy(self._obj))
 
-    async def close(self) -> None:
-        self._closed = True
+    async def _release(self) -> None:
         self._obj = None  # type: ignore[assignment]  # release the state; a closed sandbox refuses calls
 
     def _current_digest(self) -> bytes | None:
         if self._digest is None:
             self._digest = _digest(self._obj)
         return self._digest
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxError("this sandbox is closed")
 
 
 def _digest(obj: object) -> bytes | None:

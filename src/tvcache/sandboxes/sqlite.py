@@ -44,22 +44,20 @@ import hashlib
 import itertools
 import os
 import pickle
-import secrets
 import shutil
 import sqlite3
 import tempfile
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 from ..calls import ToolCall
 from .base import Outcome, SandboxError
+from .lifecycle import ManagedSandbox, ManagedSandboxes
 
 __all__ = ["MAX_OUTPUT_CHARS", "TRUNCATED_ROWS", "TRUNCATION_NOTE", "SQLiteSandbox", "SQLiteSandboxes"]
 
@@ -211,7 +209,7 @@ class _Snapshot:
     temp: Path | None  # the connection's temp schema (a pickled _TempSchema), when it had objects
 
 
-class SQLiteSandboxes:
+class SQLiteSandboxes(ManagedSandboxes["SQLiteSandbox", _Snapshot]):
     """A factory of SQLite sandboxes that all start from the database at `db_path`.
 
     `db_path` is only read, once, here: it is copied (with SQLite's backup API, so a WAL database is read
@@ -219,6 +217,8 @@ class SQLiteSandboxes:
     seconds. Close the factory (`await boxes.close()`, or `async with`) to remove that directory; a factory
     that is garbage collected or still open at exit removes it too.
     """
+
+    kind = "sqlite"
 
     def __init__(
         self, db_path: str | os.PathLike[str], *, tmp: str | os.PathLike[str] | None = None, timeout: float = 30.0
@@ -228,23 +228,20 @@ class SQLiteSandboxes:
             raise FileNotFoundError(f"no SQLite database at {source}")
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        super().__init__()
         self._timeout = float(timeout)
         self._root = Path(tempfile.mkdtemp(prefix=f"tvcache-sqlite-{os.getpid()}-", dir=_tmp_parent(tmp)))
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self._root, True)
+        self._cleanup_with(shutil.rmtree, self._root, True)
         (self._root / "boxes").mkdir()
         (self._root / "snapshots").mkdir()
         self._base = self._root / "base.sqlite"
         try:
             _copy_database(source, self._base)
         except BaseException:
-            self._finalizer()
+            shutil.rmtree(self._root, ignore_errors=True)
             raise
         self._fingerprint = f"sqlite-{FORMAT_VERSION}-{_file_digest(self._base)}"
-        self._token = secrets.token_hex(6)
-        self._ids = itertools.count(1)
-        self._snapshots: dict[str, _Snapshot] = {}
-        self._boxes: set[SQLiteSandbox] = set()
-        self._closed = False
+        self._files = itertools.count(1)
 
     @classmethod
     def from_sql(
@@ -285,48 +282,21 @@ class SQLiteSandboxes:
     def timeout(self) -> float:
         return self._timeout
 
-    @property
-    def snapshot_count(self) -> int:
-        return len(self._snapshots)
-
     async def create(self) -> SQLiteSandbox:
         return await self._open(_Snapshot(self._base, None))
 
     async def restore(self, snapshot_id: str) -> SQLiteSandbox:
-        self._check_open()
-        snapshot = self._snapshots.get(snapshot_id)
-        if snapshot is None:
-            raise SandboxError(f"snapshot {snapshot_id!r} does not exist (deleted, or never made here)")
-        return await self._open(snapshot)
+        return await self._open(self._lookup(snapshot_id))
 
     async def delete(self, snapshot_id: str) -> None:
         # Deleting twice is harmless: eviction and cleanup may race.
-        snapshot = self._snapshots.pop(snapshot_id, None)
+        snapshot = self._forget(snapshot_id)
         if snapshot is not None:
             await asyncio.to_thread(_remove, snapshot.main, snapshot.temp)
 
-    async def close(self) -> None:
-        """Close every open sandbox of this factory and remove all its files; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for box in list(self._boxes):
-            await box.close()
-        self._snapshots.clear()
-        await asyncio.to_thread(self._finalizer)
-
-    async def __aenter__(self) -> SQLiteSandboxes:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
     async def _open(self, source: _Snapshot) -> SQLiteSandbox:
         self._check_open()
-        box = SQLiteSandbox(self, self._root / "boxes" / f"{next(self._ids)}.sqlite", self._timeout)
-        self._boxes.add(box)
+        box = SQLiteSandbox(self, self._root / "boxes" / f"{next(self._files)}.sqlite", self._timeout)
         try:
             await box._start(source)
         except BaseException as exc:
@@ -337,37 +307,31 @@ class SQLiteSandboxes:
         return box
 
     def _new_snapshot(self) -> tuple[str, _Snapshot]:
+        """A new snapshot id and the files it will be saved in, named after it."""
         self._check_open()
-        # The random token keeps an id recorded by an earlier process (a durable cache) from ever naming a
-        # snapshot of this factory: it is simply unknown here.
-        snapshot_id = f"sqlite-{self._token}-{next(self._ids)}"
+        snapshot_id = self._new_id()
         folder = self._root / "snapshots"
         return snapshot_id, _Snapshot(folder / f"{snapshot_id}.sqlite", folder / f"{snapshot_id}.temp.pickle")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxError("this SQLiteSandboxes factory is closed")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # One sandbox
 
 
-class SQLiteSandbox:
+class SQLiteSandbox(ManagedSandbox):
     """A private copy of the database and the one connection that uses it.
 
     Everything that touches the connection runs on the sandbox's own worker thread, one call at a time.
     """
 
     def __init__(self, factory: SQLiteSandboxes, path: Path, timeout: float) -> None:
+        super().__init__(factory)
         self._factory = factory
         self._path = path
         self._timeout = timeout
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tvcache-sqlite")
-        self._lock = asyncio.Lock()
         self._conn: sqlite3.Connection | None = None
         self._header_fd = -1
-        self._closed = False
         # Set on the worker thread while the sandbox runs its own statements, which the authorizer allows.
         self._internal = False
         self._refused: str | None = None
@@ -386,13 +350,11 @@ class SQLiteSandbox:
 
     async def execute(self, call: ToolCall) -> Outcome:
         query = _query_of(call)
-        async with self._lock:
-            self._check_open()
+        async with self._turn():
             return await self._on_worker(self._run, query, watchdog=True)
 
     async def snapshot(self) -> str:
-        async with self._lock:
-            self._check_open()
+        async with self._turn():
             snapshot_id, snapshot = self._factory._new_snapshot()
             try:
                 saved = await self._on_worker(self._save, snapshot)
@@ -401,21 +363,18 @@ class SQLiteSandbox:
                 if isinstance(exc, OSError | sqlite3.Error):
                     raise SandboxError(f"could not snapshot the sandbox: {exc}") from exc
                 raise
-            self._factory._snapshots[snapshot_id] = saved
-            return snapshot_id
+            return self._factory._keep(saved, snapshot_id)
 
-    async def close(self) -> None:
-        """Close the connection and remove the sandbox's file; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _interrupt(self) -> None:
         if self._conn is not None:
             self._conn.interrupt()  # a query still running (its caller was cancelled) stops now
+
+    async def _release(self) -> None:
+        """Close the connection and remove the sandbox's file."""
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._shutdown)
         finally:
             self._executor.shutdown(wait=False)
-            self._factory._boxes.discard(self)
 
     async def _on_worker(self, fn: Callable[..., T], *args: Any, watchdog: bool = False) -> T:
         """Run `fn(*args)` on the worker thread; interrupt it if its caller is cancelled or it overruns."""
@@ -430,14 +389,6 @@ class SQLiteSandbox:
         except asyncio.CancelledError:
             self._interrupt()
             raise
-
-    def _interrupt(self) -> None:
-        if self._conn is not None:
-            self._conn.interrupt()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxError("this sandbox is closed")
 
     async def _start(self, source: _Snapshot) -> None:
         await self._on_worker(self._open, source)
