@@ -23,6 +23,7 @@ __all__ = [
     "Entry",
     "Outcome",
     "PythonSandboxes",
+    "RemoteSandboxes",
     "Result",
     "Rollout",
     "SQLiteSandboxes",
@@ -45,6 +46,7 @@ __all__ = [
 
 _BACKENDS = {
     "PythonSandboxes": "tvcache.sandboxes.python",
+    "RemoteSandboxes": "tvcache.sandboxes.remote",
     "SQLiteSandboxes": "tvcache.sandboxes.sqlite",
     "WorkspaceSandboxes": "tvcache.sandboxes.workspace",
 }

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..stores.wire import Series, StatsReply, TaskTotals, Totals
 
-__all__ = ["BUCKETS", "Counters", "Latency"]
+__all__ = ["BUCKETS", "Counters", "Latency", "RequestCounters"]
 
 # Upper bounds, seconds, of the request latency histogram: a hit over loopback is ~0.1-1 ms, a wait can block.
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0, 300.0)
@@ -43,10 +43,21 @@ class _Task:
     seconds_saved: float = 0.0
 
 
-class Counters:
-    def __init__(self, store: str) -> None:
-        self.store = store
+class RequestCounters:
+    """What every server counts of its requests: refusals and failures, and latency per path."""
+
+    def __init__(self) -> None:
         self.started = time.time()
+        self.errors = 0  # requests answered 4xx or 5xx
+        self.latency: dict[str, Latency] = {}
+
+
+class Counters(RequestCounters):
+    """The cache server's counts."""
+
+    def __init__(self, store: str) -> None:
+        super().__init__()
+        self.store = store
         self.lookups = 0
         self.hits = 0
         self.misses = 0
@@ -57,9 +68,7 @@ class Counters:
         self.waited_hits = 0  # waits that ended with the entry
         self.evictions = 0
         self.seconds_saved = 0.0  # recorded tool seconds of every hit and waited hit
-        self.errors = 0  # requests answered 4xx or 5xx
         self.tasks: dict[str, _Task] = {}
-        self.latency: dict[str, Latency] = {}
         self._samples: deque[tuple[float, int, int, int, int, int, float]] = deque(maxlen=SERIES_POINTS)
 
     def task(self, scope_key: str) -> _Task:

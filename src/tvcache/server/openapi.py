@@ -1,35 +1,41 @@
-"""The OpenAPI 3.1 document, generated from the same msgspec types that decode the requests."""
+"""OpenAPI 3.1 documents, generated from the same msgspec types that decode the requests."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 
-from ..stores.wire import ENDPOINTS, ErrorReply
+from ..stores.wire import Endpoint, ErrorReply
 
-__all__ = ["document"]
+__all__ = ["COMMON_ERRORS", "document", "encoded"]
 
-_ERRORS = {
+# Answers every server may give; each server adds its own (the store failed, no such sandbox, ...).
+COMMON_ERRORS = {
     "400": "Malformed JSON, a wrongly typed or out-of-range field, or an unknown field; nothing was changed.",
     "401": "The server has a token and the request did not carry it as `Authorization: Bearer <token>`.",
+    "408": "The request body did not arrive within the server's read timeout; the connection is closed.",
     "413": "The request body is larger than the server's limit.",
     "415": "The request body is not `application/json`.",
     "500": "An unexpected server error; it is logged.",
-    "503": "The backing store failed; the client should execute without the cache.",
 }
+_BODY_ONLY = ("408", "413", "415")  # answers about a request body: only for operations that take one
 
 
-def document(version: str) -> dict[str, Any]:
+def document(
+    endpoints: Sequence[Endpoint], *, title: str, description: str, version: str, errors: Mapping[str, str]
+) -> dict[str, Any]:
     types: list[Any] = [ErrorReply]
-    for endpoint in ENDPOINTS:
+    for endpoint in endpoints:
         if endpoint.request is not None:
             types.append(endpoint.request)
         types.append(endpoint.reply)
     refs, schemas = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     error_ref, rest = refs[0], iter(refs[1:])
+    errors = dict(sorted({**COMMON_ERRORS, **errors}.items()))
     paths: dict[str, Any] = {}
-    for endpoint in ENDPOINTS:
+    for endpoint in endpoints:
         request_ref = next(rest) if endpoint.request is not None else None
         reply_ref = next(rest)
         operation: dict[str, Any] = {
@@ -39,8 +45,8 @@ def document(version: str) -> dict[str, Any]:
                 "200": {"description": "Done.", "content": {"application/json": {"schema": reply_ref}}},
                 **{
                     code: {"description": text, "content": {"application/json": {"schema": error_ref}}}
-                    for code, text in _ERRORS.items()
-                    if (code != "401" or endpoint.auth) and (code not in ("413", "415") or request_ref)
+                    for code, text in errors.items()
+                    if (code != "401" or endpoint.auth) and (code not in _BODY_ONLY or request_ref)
                 },
             },
         }
@@ -56,23 +62,17 @@ def document(version: str) -> dict[str, Any]:
             "security": [{"bearer": []}],
             "responses": {
                 "200": {"description": "Metrics.", "content": {"text/plain": {"schema": {"type": "string"}}}},
-                "401": {"description": _ERRORS["401"], "content": {"application/json": {"schema": error_ref}}},
+                "401": {"description": errors["401"], "content": {"application/json": {"schema": error_ref}}},
             },
         }
     }
     return {
         "openapi": "3.1.0",
-        "info": {
-            "title": "tvcache server",
-            "version": version,
-            "description": "The tvcache store interface over HTTP: one POST per store operation, JSON bodies, "
-            "bytes as base64 strings. With a token set, every /v1 path and /metrics need "
-            "`Authorization: Bearer <token>`.",
-        },
+        "info": {"title": title, "version": version, "description": description},
         "paths": paths,
         "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
 
 
-def encoded(version: str) -> bytes:
-    return msgspec.json.encode(document(version))
+def encoded(endpoints: Sequence[Endpoint], **kwargs: Any) -> bytes:
+    return msgspec.json.encode(document(endpoints, **kwargs))

@@ -1,0 +1,410 @@
+"""Sandboxes on other machines: the `Sandboxes` protocol over one or more `tvcache sandbox-server`s.
+
+    boxes = tvcache.RemoteSandboxes(["http://10.0.0.5:8471", "http://10.0.0.6:8471"], token="s3cret")
+    async with cache.rollout("task-17", boxes) as r:
+        await r.call("bash", {"command": "make test"})
+
+**Placement.** A new sandbox goes to the least-loaded server (by the count of live sandboxes its last answer
+reported, plus the ones placed there since), ties broken at random so workers spread out. A restore goes to the
+server holding the snapshot: a snapshot id starts with the id of the server process that made it.
+
+**Origin.** `origin` is the same in every process given the same list of URLs, so the cache lets any worker
+restore a snapshot any other worker made. Give every worker the same list.
+
+**Losing a server.** A call in a sandbox of a server that cannot be reached raises `SandboxError` (the cache
+never records it; the rollout's next call rebuilds its sandbox elsewhere). A server that failed to answer is
+tried last for the next `RETRY_AFTER` seconds. A restore of a snapshot whose server is gone, or has restarted
+(a new process id), raises `SandboxError` at once, so the cache drops that snapshot and takes another route.
+A create fails over to the other servers and raises only when none can make a sandbox.
+
+**Bounds.** Each call has a deadline: the server's call timeout (from `/v1/info`) plus a margin, so a host that
+hangs cannot hang its rollouts. The server bounds outputs (16 MiB encoded); this side refuses any larger reply.
+Sandboxes held here have their leases renewed in the background; those of a process that died are closed by
+their server when the lease runs out.
+
+The client is a pooled aiohttp session per event loop (`pip install 'tvcache[client]'`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import os
+import random
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+import msgspec
+from yarl import URL
+
+from ..calls import ToolCall
+from ..graph import decode_output
+from ..stores.wire import ErrorReply
+from .base import Outcome, SandboxError
+from .remote_wire import (
+    SANDBOX_ENDPOINTS,
+    CreateRequest,
+    ExecuteReply,
+    ExecuteRequest,
+    InfoReply,
+    RenewRequest,
+    SandboxReply,
+    SandboxRequest,
+    SnapshotReply,
+    SnapshotRequest,
+    server_of,
+)
+
+__all__ = ["RemoteSandbox", "RemoteSandboxes"]
+
+log = logging.getLogger("tvcache")
+
+T = TypeVar("T")
+
+RETRY_AFTER = 5.0  # seconds a server that failed to answer is tried last
+MARGIN = 15.0  # an execute's deadline: the server's call timeout, its 10 s grace, and this
+MAX_REPLY = 64 << 20  # a 16 MiB output is ~22 MB as base64
+IDLE_SECONDS = 30.0  # idle pooled connections close before the server's keep-alive (75 s) would close them
+DEFAULT_CALL_TIMEOUT = 600.0  # until a server has told its own
+
+_encoder = msgspec.json.Encoder()
+_errors = msgspec.json.Decoder(ErrorReply)
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+
+def _decoder(kind: Any) -> msgspec.json.Decoder[Any]:
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    return decoder
+
+
+class _Unreachable(SandboxError):
+    """The server did not answer (refused, reset, timed out)."""
+
+
+class _Refused(SandboxError):
+    """The server answered with an error status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class _Server:
+    """One sandbox server as this client knows it."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.paths = {e.name: URL(f"{url}{e.path}") for e in SANDBOX_ENDPOINTS}
+        self.id: str | None = None  # the server process's id, once it told us
+        self.timeout = DEFAULT_CALL_TIMEOUT
+        self.lease: float | None = None
+        self.load = 0  # live sandboxes it reported, plus those placed since
+        self.down_until = 0.0
+        self.held: set[str] = set()  # ids of the sandboxes this client holds there
+
+    def learn(self, info: InfoReply) -> None:
+        self.id, self.timeout, self.lease, self.load = info.server, info.timeout, info.lease, info.live
+
+
+class RemoteSandboxes:
+    """A sandbox factory whose sandboxes live on `tvcache sandbox-server`s; see the module docstring.
+
+    `urls`: one server or a list (`http://host:port`; a token may be given as `http://:TOKEN@host:port`).
+    `token`: the servers' bearer token (default: from the URLs or the TVCACHE_TOKEN variable).
+    `timeout`: seconds for the operations other than execute (create, restore, snapshot, ...);
+    `connect_timeout`: seconds to open a connection.
+
+    The constructor asks every server what it serves (a blocking request each, in parallel) and raises
+    `SandboxError` if none answers, `ValueError` if they serve different starting states.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+        connect_timeout: float = 2.0,
+    ):
+        given = [urls] if isinstance(urls, str) else list(urls)
+        if not given:
+            raise ValueError("RemoteSandboxes needs at least one sandbox server URL")
+        if not (timeout > 0 and connect_timeout > 0):
+            raise ValueError("timeouts must be > 0")
+        parsed = [_parse(u) for u in given]
+        self.urls = sorted({url for url, _ in parsed})
+        token = token or next((t for _, t in parsed if t), None) or os.environ.get("TVCACHE_TOKEN") or None
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        # The same list of servers gives the same origin in every process: snapshots are shared between them.
+        self.origin = "remote:" + hashlib.blake2b("\n".join(self.urls).encode(), digest_size=12).hexdigest()
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
+        self._connect_timeout = connect_timeout
+        self._servers = [_Server(url) for url in self.urls]
+        self._by_id: dict[str, _Server] = {}
+        self._fingerprint = ""
+        self._first_probe(timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closer: AsyncGenerator[None, None] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._last_probe = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"RemoteSandboxes({self.urls!r})"
+
+    # -- the Sandboxes protocol --------------------------------------------------------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    async def create(self) -> RemoteSandbox:
+        """A sandbox on the least-loaded server that will make one."""
+        failures = []
+        now = time.monotonic()
+        # Least loaded first, servers that failed lately last; ties at random, so workers do not all pick one.
+        order = sorted(self._servers, key=lambda s: (s.down_until > now, s.load, random.random()))
+        for server in order:
+            server.load += 1
+            try:
+                reply: SandboxReply = await self._call(server, "create", CreateRequest(self._fingerprint), SandboxReply)
+            except SandboxError as exc:
+                server.load -= 1
+                if isinstance(exc, _Refused) and exc.status == 409:
+                    log.error("%s; leaving it out", exc)
+                    server.down_until = float("inf")
+                failures.append(str(exc))
+                continue
+            server.load = reply.live
+            return self._hold(server, reply.sandbox)
+        raise SandboxError("no sandbox server could make a sandbox: " + "; ".join(failures))
+
+    async def restore(self, snapshot_id: str) -> RemoteSandbox:
+        """A sandbox in the snapshot's state, on the server holding it; SandboxError if it is gone."""
+        server = await self._holder(snapshot_id)
+        if server.down_until > time.monotonic():
+            raise SandboxError(f"snapshot {snapshot_id} is on {server.url}, which did not answer lately")
+        reply: SandboxReply = await self._call(server, "restore", SnapshotRequest(snapshot_id), SandboxReply)
+        server.load = reply.live
+        return self._hold(server, reply.sandbox)
+
+    async def delete(self, snapshot_id: str) -> None:
+        try:
+            server = await self._holder(snapshot_id)
+        except SandboxError:
+            return  # its server is gone, and the snapshot with it
+        await self._call(server, "delete", SnapshotRequest(snapshot_id), None)
+
+    async def close(self) -> None:
+        """Close the sandboxes this object still holds, stop renewing leases, close the connections."""
+        for server in self._servers:
+            for sandbox in list(server.held):
+                await RemoteSandbox(self, server, sandbox).close()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        closer, self._closer, self._session = self._closer, None, None
+        if closer is not None and self._loop is asyncio.get_running_loop():
+            await closer.aclose()
+
+    async def __aenter__(self) -> RemoteSandboxes:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- servers -----------------------------------------------------------------------------------------
+
+    def _first_probe(self, timeout: float) -> None:
+        with concurrent.futures.ThreadPoolExecutor(len(self._servers)) as pool:
+            answers = list(pool.map(lambda s: self._info_blocking(s, timeout), self._servers))
+        infos = {s.url: a for s, a in zip(self._servers, answers, strict=True) if isinstance(a, InfoReply)}
+        if not infos:
+            raise SandboxError("no sandbox server answered: " + "; ".join(str(a) for a in answers))
+        fingerprints = {info.fingerprint for info in infos.values()}
+        if len(fingerprints) > 1:
+            raise ValueError(f"the sandbox servers serve different starting states (fingerprints): {infos}")
+        self._fingerprint = fingerprints.pop()
+        for server, answer in zip(self._servers, answers, strict=True):
+            if isinstance(answer, InfoReply):
+                self._learn(server, answer)
+            else:
+                log.warning("sandbox server %s did not answer (%s); trying it later", server.url, answer)
+                server.down_until = time.monotonic() + RETRY_AFTER
+
+    def _info_blocking(self, server: _Server, timeout: float) -> InfoReply | str:
+        request = urllib.request.Request(str(server.paths["info"]), headers=self._headers)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                info: InfoReply = _decoder(InfoReply).decode(response.read(MAX_REPLY))
+                return info
+        except urllib.error.HTTPError as exc:
+            return f"{server.url} answered {exc.code}: {exc.read(500).decode(errors='replace')}"
+        except (OSError, msgspec.DecodeError) as exc:
+            return f"{server.url}: {exc}"
+
+    def _learn(self, server: _Server, info: InfoReply) -> None:
+        if info.fingerprint != self._fingerprint:
+            log.error("sandbox server %s now serves another starting state; leaving it out", server.url)
+            server.down_until = float("inf")
+            return
+        server.learn(info)
+        self._by_id[info.server] = server
+
+    async def _holder(self, snapshot_id: str) -> _Server:
+        """The server holding a snapshot: known from the id's prefix, or from asking the servers again (one
+        that was down when this client started, or has since restarted, has an id not seen yet)."""
+        server = self._by_id.get(server_of(snapshot_id))
+        if server is None and time.monotonic() - self._last_probe > RETRY_AFTER:
+            self._last_probe = time.monotonic()
+            for other in self._servers:
+                try:
+                    self._learn(other, await self._call(other, "info", None, InfoReply))
+                except SandboxError:
+                    continue
+            server = self._by_id.get(server_of(snapshot_id))
+        if server is None:
+            raise SandboxError(f"snapshot {snapshot_id} was made by a sandbox server process that is gone")
+        return server
+
+    def _hold(self, server: _Server, sandbox: str) -> RemoteSandbox:
+        server.held.add(sandbox)
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.get_running_loop().create_task(self._renew_leases())
+        return RemoteSandbox(self, server, sandbox)
+
+    async def _renew_leases(self) -> None:
+        """Renew the leases of the sandboxes held here, so the servers do not close those that sit unused for
+        a while (warm sandboxes, a rollout waiting for its model); stop when none are held."""
+        while any(s.held for s in self._servers):
+            leases = [s.lease for s in self._servers if s.lease]
+            await asyncio.sleep(min(leases, default=60.0) / 4)
+            for server in self._servers:
+                if server.held:
+                    try:
+                        gone = await self._call(server, "renew", RenewRequest(sorted(server.held)), list[str])
+                    except SandboxError as exc:
+                        log.debug("renewing leases on %s failed: %s", server.url, exc)
+                        continue
+                    server.held.difference_update(gone)
+
+    # -- HTTP ----------------------------------------------------------------------------------------------
+
+    async def _client(self) -> aiohttp.ClientSession:
+        # A session belongs to the event loop it was made in: under a new loop (another asyncio.run, a
+        # SyncToolCache thread) a new one is made.
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._loop is not loop or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_SECONDS)
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers=self._headers, timeout=self._timeout, auto_decompress=False
+            )
+            self._loop = loop
+            self._closer = _closed_with_loop(self._session)
+            await anext(self._closer)
+        return self._session
+
+    async def _call(
+        self, server: _Server, name: str, request: msgspec.Struct | None, reply: Any, deadline: float | None = None
+    ) -> Any:
+        session = await self._client()
+        timeout = self._timeout
+        if deadline is not None:
+            timeout = aiohttp.ClientTimeout(total=deadline, sock_connect=self._connect_timeout)
+        try:
+            if request is None:
+                response = await session.get(server.paths[name], timeout=timeout)
+            else:
+                response = await session.post(server.paths[name], data=_encoder.encode(request), timeout=timeout)
+            async with response:
+                size = response.content_length
+                if size is None or size > MAX_REPLY:
+                    raise _Refused(response.status, f"sandbox server {server.url} sent a reply of {size} bytes")
+                data = await response.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            server.down_until = time.monotonic() + RETRY_AFTER
+            raise _Unreachable(f"sandbox server {server.url} failed on {name}: {type(exc).__name__}: {exc}") from exc
+        server.down_until = 0.0
+        if response.status != 200:
+            try:
+                message = _errors.decode(data).error
+            except msgspec.DecodeError:
+                message = data[:200].decode(errors="replace")
+            raise _Refused(
+                response.status, f"sandbox server {server.url} answered {name} with {response.status}: {message}"
+            )
+        try:
+            return _decoder(reply).decode(data)
+        except msgspec.DecodeError as exc:
+            raise SandboxError(f"sandbox server {server.url} sent an invalid {name} reply: {exc}") from exc
+
+
+class RemoteSandbox:
+    """One live sandbox on a sandbox server."""
+
+    def __init__(self, factory: RemoteSandboxes, server: _Server, sandbox: str):
+        self._factory = factory
+        self._server = server
+        self.id = sandbox
+
+    @property
+    def server(self) -> str:
+        return self._server.url
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        server = self._server
+        deadline = server.timeout + MARGIN
+        request = ExecuteRequest(self.id, call.tool, call.args)
+        reply: ExecuteReply = await self._factory._call(server, "execute", request, ExecuteReply, deadline)
+        return Outcome(decode_output(reply.output), reply.changed, reply.error)
+
+    async def snapshot(self) -> str:
+        reply: SnapshotReply = await self._factory._call(
+            self._server, "snapshot", SandboxRequest(self.id), SnapshotReply
+        )
+        self._factory._by_id.setdefault(server_of(reply.snapshot), self._server)
+        return reply.snapshot
+
+    async def close(self) -> None:
+        """Close it on its server; a server that cannot be reached has lost it, or closes it when its lease ends."""
+        server = self._server
+        if self.id not in server.held:
+            return
+        server.held.discard(self.id)
+        server.load = max(0, server.load - 1)
+        try:
+            await self._factory._call(server, "close", SandboxRequest(self.id), None)
+        except SandboxError as exc:
+            log.debug("closing sandbox %s failed: %s", self.id, exc)
+
+    def __repr__(self) -> str:
+        return f"RemoteSandbox({self.id} on {self._server.url})"
+
+
+def _parse(url: str) -> tuple[str, str | None]:
+    """`url` without user info or trailing slash, and the token it carried (`http://:TOKEN@host:port`)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"a sandbox server URL is http://host:port, got {url!r}")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", "")), parts.password or parts.username
+
+
+async def _closed_with_loop(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
+    """Suspended until closed: by `RemoteSandboxes.close`, or by its event loop shutting down (asyncio.run
+    finalizes the async generators of its loop), so a session never outlives its loop's connections."""
+    try:
+        yield
+    finally:
+        await session.close()

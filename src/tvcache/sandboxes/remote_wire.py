@@ -1,0 +1,148 @@
+"""The sandbox server's wire format, shared by the client (`tvcache.sandboxes.remote`) and the server
+(`tvcache.server.sandbox_app`), which imports it from here: the client never loads the server.
+
+Every operation is one `POST /v1/<op>` (or a GET without arguments) with a JSON body; the reply is JSON.
+Tool outputs travel as `graph.encode_output` blobs (msgpack, base64 in JSON), so a remote sandbox answers
+with exactly the str, bytes or JSON value a local one would. Ids are made by the server: a sandbox id is
+random; a snapshot id starts with the id of the server process holding it (`<server>.<random>`), so a client
+knows where to restore it, and an id from a server that has since restarted names no live server.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from ..stores.wire import Endpoint, HealthReply
+
+__all__ = [
+    "SANDBOX_ENDPOINTS",
+    "CreateRequest",
+    "ExecuteReply",
+    "ExecuteRequest",
+    "InfoReply",
+    "Listing",
+    "RenewRequest",
+    "SandboxReply",
+    "SandboxRequest",
+    "SnapshotReply",
+    "SnapshotRequest",
+    "server_of",
+]
+
+MAX_RENEW = 100_000
+
+ServerId = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{12}$", description="a sandbox server process's id")]
+SandboxId = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{24}$", description="a live sandbox, made by the server")]
+SnapshotId = Annotated[
+    str,
+    msgspec.Meta(
+        pattern="^[0-9a-f]{12}\\.[0-9a-f]{16}$",
+        description="a snapshot: the id of the server process holding it, a dot, a random part",
+    ),
+]
+Fingerprint = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+ToolName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+
+
+def server_of(snapshot_id: str) -> str:
+    """The id of the server process holding a snapshot."""
+    return snapshot_id.partition(".")[0]
+
+
+# Requests refuse unknown fields: a misspelt argument must not be silently ignored.
+class CreateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`fingerprint`: the starting state the client expects; a server serving another one refuses (409)."""
+
+    fingerprint: Fingerprint
+
+
+class SandboxRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    sandbox: SandboxId
+
+
+class SnapshotRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    snapshot: SnapshotId
+
+
+class ExecuteRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    sandbox: SandboxId
+    tool: ToolName
+    args: Annotated[
+        dict[str, Any] | str,
+        msgspec.Meta(description="the call's arguments: a JSON object, or text that is not one (see ToolCall)"),
+    ]
+
+
+class RenewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    sandboxes: Annotated[list[SandboxId], msgspec.Meta(max_length=MAX_RENEW)]
+
+
+class SandboxReply(msgspec.Struct, frozen=True):
+    """A new live sandbox, and how many the server now holds (for placing the next one)."""
+
+    sandbox: SandboxId
+    live: int
+
+
+class SnapshotReply(msgspec.Struct, frozen=True):
+    snapshot: SnapshotId
+
+
+class ExecuteReply(msgspec.Struct, frozen=True):
+    """`graph.Outcome` on the wire; `output` is its `encode_output` blob."""
+
+    output: Annotated[bytes, msgspec.Meta(description="the tool output as tvcache's msgpack encoding, base64")]
+    changed: bool | None
+    error: bool
+
+
+class InfoReply(msgspec.Struct, frozen=True):
+    server: ServerId
+    fingerprint: str
+    backend: str
+    timeout: float  # seconds a call may take before the server gives up on it
+    lease: float  # seconds an unused sandbox lives before the server closes it
+    live: int
+    snapshots: int
+    max_sandboxes: int
+    version: str
+
+
+class SandboxInfo(msgspec.Struct, frozen=True):
+    sandbox: str
+    age: float
+    idle: float
+    executions: int
+    busy: bool
+
+
+class SnapshotInfo(msgspec.Struct, frozen=True):
+    snapshot: str
+    age: float
+    idle: float
+    restores: int
+
+
+class Listing(msgspec.Struct, frozen=True):
+    sandboxes: list[SandboxInfo]
+    snapshots: list[SnapshotInfo]
+
+
+def _op(name: str, request: type[msgspec.Struct] | None, reply: Any, summary: str) -> Endpoint:
+    return Endpoint(name, "POST" if request is not None else "GET", f"/v1/{name}", request, reply, summary)
+
+
+SANDBOX_ENDPOINTS: list[Endpoint] = [
+    _op("create", CreateRequest, SandboxReply, "A new sandbox in the starting state."),
+    _op("restore", SnapshotRequest, SandboxReply, "A new sandbox in a snapshot's state (404: no such snapshot)."),
+    _op("execute", ExecuteRequest, ExecuteReply, "Execute one tool call in a sandbox; renews its lease."),
+    _op("snapshot", SandboxRequest, SnapshotReply, "Save a sandbox's state; the sandbox stays usable."),
+    _op("close", SandboxRequest, None, "Close a sandbox. Idempotent."),
+    _op("delete", SnapshotRequest, None, "Delete a snapshot. Idempotent."),
+    _op("renew", RenewRequest, list[str], "Renew the leases of live sandboxes; the ids that are gone."),
+    _op("info", None, InfoReply, "What this server serves: its id, fingerprint, limits and load."),
+    _op("sandboxes", None, Listing, "The live sandboxes and the snapshots, oldest first."),
+    Endpoint("healthz", "GET", "/healthz", None, HealthReply, "Liveness: 200 while the server runs.", auth=False),
+]

@@ -1,0 +1,272 @@
+"""What both servers are made of: a bare ASGI app answering JSON operations, with one set of defences.
+
+`JSONApi` routes `wire.Endpoint`s to methods named after them (`_lookup`, `_execute`, ...), each taking the
+decoded request and returning what is encoded as the reply. A request is refused (4xx, a JSON `{"error": ...}`,
+nothing changed) before a handler runs when it is unauthenticated, too large, too slow, not JSON, or does not
+match the wire types. Around that: `/openapi.json`, `/metrics`, request latencies and the lifespan.
+
+A bare ASGI app rather than a framework: a request is one dict lookup for the route, one msgspec decode, the
+handler, one encode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ..stores.wire import Endpoint
+from .counters import Latency, RequestCounters
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
+
+__all__ = ["DEFAULT_MAX_BODY", "DEFAULT_READ_TIMEOUT", "ClientGone", "HTTPError", "JSONApi", "disconnected"]
+
+log = logging.getLogger("tvcache.server")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+DEFAULT_MAX_BODY = 32 << 20  # a 16 MiB output (ToolCache's default limit) is ~22 MB as base64
+# How long a client may take to send a request's head, and then its body. A client that trickles bytes would
+# otherwise hold a connection (and its memory) for as long as it likes; a 32 MiB body must come at 2.2 MB/s.
+DEFAULT_READ_TIMEOUT = 15.0
+
+JSON_TYPE = (b"content-type", b"application/json")
+_CLOSE = (b"connection", b"close")
+
+
+class HTTPError(Exception):
+    """A request refused with `status` and a message for the caller. `close`: the request's body may not have
+    been read, so the connection is closed after the answer rather than left to a client still sending."""
+
+    def __init__(self, status: int, message: str, headers: Headers | None = None, *, close: bool = False):
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or []
+        self.close = close
+
+
+class ClientGone(Exception):
+    """The client hung up while we worked or waited on its behalf; there is nobody to answer."""
+
+
+@dataclass(frozen=True)
+class _Route:
+    endpoint: Endpoint
+    decoder: msgspec.json.Decoder[Any] | None
+    handler: Callable[[Any, Receive], Awaitable[Any]]
+    latency: Latency
+
+
+class JSONApi:
+    """The ASGI app of a server. Subclasses define one `_<name>` handler per endpoint; they may override
+    `startup`/`shutdown` (the lifespan), `_failure` (how an exception from a handler is answered) and `_page`
+    (paths outside the API)."""
+
+    _known_pages: frozenset[str] = frozenset({"/openapi.json", "/metrics"})  # latency is kept per known path
+
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        counters: RequestCounters,
+        metrics: Metrics,
+        openapi: bytes,
+        *,
+        token: str | None,
+        max_body: int,
+        read_timeout: float,
+    ):
+        if token is not None and not token:
+            raise ValueError("an empty token would let anyone in; pass None for no authentication")
+        if max_body < 1024:
+            raise ValueError("max_body must be at least 1024 bytes")
+        if not read_timeout > 0:
+            raise ValueError("read_timeout must be > 0 seconds")
+        self.counters = counters
+        self._metrics = metrics
+        self._openapi = openapi
+        self._token = token.encode() if token else None
+        self._max_body = max_body
+        self._read_timeout = read_timeout
+        self._encoder = msgspec.json.Encoder()
+        self._routes: dict[str, _Route] = {}
+        for endpoint in endpoints:
+            decoder = msgspec.json.Decoder(endpoint.request) if endpoint.request is not None else None
+            latency = counters.latency[endpoint.name] = Latency()
+            self._routes[endpoint.path] = _Route(endpoint, decoder, getattr(self, f"_{endpoint.name}"), latency)
+
+    # -- hooks -------------------------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
+
+    def _failure(self, exc: Exception) -> HTTPError:
+        """The answer to an exception a handler raised that is not an HTTPError: by default a logged 500."""
+        log.error("request failed", exc_info=exc)
+        return HTTPError(500, "internal server error (logged)")
+
+    def _page(self, path: str, scope: Scope) -> tuple[Headers, bytes]:
+        """Headers and body for a GET of a path outside the API, /openapi.json and /metrics."""
+        raise HTTPError(404, f"no such path: {path[:200]}", close=True)
+
+    # -- ASGI --------------------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        # Websockets are not spoken here; returning without accepting makes the server refuse them.
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        start = time.perf_counter()
+        path: str = scope["path"]
+        route = self._routes.get(path)
+        status = 200
+        try:
+            if route is not None:
+                body = await self._answer(route, scope, receive)
+                headers = [JSON_TYPE]
+            else:
+                headers, body = self._other(path, scope)
+        except ClientGone:
+            self._latency(route, path).add(time.perf_counter() - start, 499)
+            return
+        except Exception as exc:
+            refusal = exc if isinstance(exc, HTTPError) else self._failure(exc)
+            status, body = refusal.status, self._error(refusal, scope)
+            headers = [JSON_TYPE, *refusal.headers, *([_CLOSE] if refusal.close else [])]
+        # A Content-Length, not chunked encoding: fewer bytes and writes per response.
+        headers.append((b"content-length", b"%d" % len(body)))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self._latency(route, path).add(time.perf_counter() - start, status)
+
+    def _latency(self, route: _Route | None, path: str) -> Latency:
+        if route is not None:
+            return route.latency
+        name = path if path in self._known_pages else "other"  # bounded label values
+        latency = self.counters.latency.get(name)
+        if latency is None:
+            latency = self.counters.latency[name] = Latency()
+        return latency
+
+    def _error(self, refusal: HTTPError, scope: Scope) -> bytes:
+        self.counters.errors += 1
+        client = scope.get("client")
+        log.log(
+            logging.WARNING if refusal.status >= 500 or refusal.status == 401 else logging.INFO,
+            "request refused",
+            extra={
+                "status": refusal.status,
+                "path": scope["path"][:200],
+                "error": str(refusal),
+                "client": client[0] if client else None,
+            },
+        )
+        return self._encoder.encode({"error": str(refusal)})
+
+    async def _answer(self, route: _Route, scope: Scope, receive: Receive) -> bytes:
+        """The JSON reply to a request for one of the API's operations."""
+        endpoint = route.endpoint
+        request = None
+        try:
+            if scope["method"] != endpoint.method:
+                raise HTTPError(405, f"{endpoint.path} takes {endpoint.method}", [(b"allow", endpoint.method.encode())])
+            if endpoint.auth:
+                self._authenticate(scope)
+            if route.decoder is not None:
+                body = await self._body(scope, receive)
+                try:
+                    request = route.decoder.decode(body)
+                except msgspec.DecodeError as exc:  # ValidationError is a DecodeError: both mean a 400
+                    raise HTTPError(400, f"invalid {endpoint.name} request: {exc}") from None
+        except HTTPError as exc:
+            exc.close = True  # what is left of the body is not read: do not leave the connection to it
+            raise
+        reply = await route.handler(request, receive)
+        return self._encoder.encode(reply)
+
+    def _other(self, path: str, scope: Scope) -> tuple[Headers, bytes]:
+        if scope["method"] not in ("GET", "HEAD"):
+            if path not in self._known_pages:
+                raise HTTPError(404, f"no such path: {path[:200]}", close=True)
+            raise HTTPError(405, f"{path} takes GET", [(b"allow", b"GET, HEAD")], close=True)
+        if path == "/openapi.json":
+            return [JSON_TYPE], self._openapi
+        if path == "/metrics":
+            self._authenticate(scope)
+            return [(b"content-type", METRICS_CONTENT_TYPE.encode())], self._metrics.render()
+        return self._page(path, scope)
+
+    def _authenticate(self, scope: Scope) -> None:
+        if self._token is None:
+            return
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, given = value.partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._token):
+                    return
+                break
+        raise HTTPError(401, "missing or wrong bearer token", [(b"www-authenticate", b'Bearer realm="tvcache"')])
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if not value.isdigit():
+                    raise HTTPError(400, "invalid Content-Length")
+                if int(value) > self._max_body:
+                    raise HTTPError(413, f"request body over the {self._max_body}-byte limit")
+            elif name == b"content-type" and not value.lower().startswith(b"application/json"):
+                raise HTTPError(415, "request bodies are JSON: send Content-Type: application/json")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self._read_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self._max_body:  # chunked uploads announce no length
+                        raise HTTPError(413, f"request body over the {self._max_body}-byte limit")
+                    if not message.get("more_body", False):
+                        return b"".join((*chunks, chunk)) if chunks else chunk
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise HTTPError(408, f"request body not received within {self._read_timeout:g} s") from None
+
+
+async def disconnected(receive: Receive) -> None:
+    """Return when the client disconnects (after the body, ASGI's receive() yields nothing else)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

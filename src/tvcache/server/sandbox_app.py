@@ -1,0 +1,156 @@
+"""The sandbox server's ASGI app: one sandbox factory over HTTP, for `tvcache.RemoteSandboxes` clients.
+
+The HTTP machinery and its defences are `api.JSONApi`'s (the same as the cache server's); what the server holds
+and how it is bounded is `sandbox_pool.SandboxPool`'s. This module maps one onto the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..calls import ToolCall
+from ..sandboxes.base import Sandboxes
+from ..sandboxes.remote_wire import (
+    SANDBOX_ENDPOINTS,
+    CreateRequest,
+    ExecuteReply,
+    ExecuteRequest,
+    InfoReply,
+    Listing,
+    RenewRequest,
+    SandboxReply,
+    SandboxRequest,
+    SnapshotReply,
+    SnapshotRequest,
+)
+from ..stores.wire import HealthReply
+from ..version import __version__
+from . import openapi
+from .api import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT, HTTPError, JSONApi, Receive
+from .counters import RequestCounters
+from .metrics import Metrics, request_metrics
+from .sandbox_pool import AtCapacity, BackendFailed, SandboxPool, UnknownId, WrongEnvironment
+
+__all__ = ["SandboxApp"]
+
+_ERRORS = {
+    "404": "No such sandbox or snapshot here: closed, expired, evicted, or made by another server process.",
+    "409": "The client expects another starting state (fingerprint) than this server serves.",
+    "429": "The server holds its maximum of live sandboxes; try another server or close some.",
+    "502": "The sandbox backend failed (raised, or hung past the call timeout); the message says how.",
+}
+_REFUSALS: dict[type[Exception], int] = {UnknownId: 404, WrongEnvironment: 409, AtCapacity: 429, BackendFailed: 502}
+_HEALTHY = HealthReply("ok")
+
+
+class SandboxApp(JSONApi):
+    """`pool_options` go to `SandboxPool`: lease, max_sandboxes, max_snapshots, max_output, timeout."""
+
+    def __init__(
+        self,
+        factory: Sandboxes,
+        *,
+        token: str | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
+        **pool_options: Any,
+    ):
+        pool = self.pool = SandboxPool(factory, **pool_options)
+        counters = RequestCounters()
+        document = openapi.encoded(
+            SANDBOX_ENDPOINTS,
+            title="tvcache sandbox server",
+            version=__version__,
+            description="One sandbox factory over HTTP: create, restore, execute, snapshot, close, delete. JSON "
+            "bodies; tool outputs as base64 of tvcache's msgpack encoding. With a token set, every /v1 path and "
+            "/metrics need `Authorization: Bearer <token>`.",
+            errors=_ERRORS,
+        )
+        metrics = Metrics(lambda: _metrics(pool, counters))
+        super().__init__(
+            SANDBOX_ENDPOINTS, counters, metrics, document, token=token, max_body=max_body, read_timeout=read_timeout
+        )
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def startup(self) -> None:
+        self._reaper = asyncio.create_task(self.pool.reap())
+
+    async def shutdown(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.pool.close_all()
+
+    def _failure(self, exc: Exception) -> HTTPError:
+        status = _REFUSALS.get(type(exc))
+        if status is None:
+            return super()._failure(exc)
+        return HTTPError(status, str(exc))
+
+    # -- the operations: one per endpoint, named as in remote_wire.SANDBOX_ENDPOINTS ----------------------
+
+    async def _create(self, req: CreateRequest, receive: Receive) -> SandboxReply:
+        return SandboxReply(await self.pool.create(req.fingerprint), self.pool.live)
+
+    async def _restore(self, req: SnapshotRequest, receive: Receive) -> SandboxReply:
+        return SandboxReply(await self.pool.restore(req.snapshot), self.pool.live)
+
+    async def _execute(self, req: ExecuteRequest, receive: Receive) -> ExecuteReply:
+        try:
+            call = ToolCall(req.tool, req.args)
+        except (TypeError, ValueError) as exc:
+            raise HTTPError(400, f"invalid tool call: {exc}") from None
+        output, changed, error = await self.pool.execute(req.sandbox, call)
+        return ExecuteReply(output, changed, error)
+
+    async def _snapshot(self, req: SandboxRequest, receive: Receive) -> SnapshotReply:
+        return SnapshotReply(await self.pool.snapshot(req.sandbox))
+
+    async def _close(self, req: SandboxRequest, receive: Receive) -> None:
+        await self.pool.close(req.sandbox)
+
+    async def _delete(self, req: SnapshotRequest, receive: Receive) -> None:
+        await self.pool.delete(req.snapshot)
+
+    async def _renew(self, req: RenewRequest, receive: Receive) -> list[str]:
+        return self.pool.renew(req.sandboxes)
+
+    async def _info(self, req: None, receive: Receive) -> InfoReply:
+        return self.pool.info()
+
+    async def _sandboxes(self, req: None, receive: Receive) -> Listing:
+        return self.pool.listing()
+
+    async def _healthz(self, req: None, receive: Receive) -> HealthReply:
+        return _HEALTHY
+
+
+_COUNTS = {
+    "creates": "Sandboxes created.",
+    "restores": "Sandboxes restored from a snapshot.",
+    "executions": "Tool calls executed.",
+    "snapshots": "Snapshots saved.",
+    "closes": "Sandboxes closed by their clients.",
+    "deletes": "Snapshots deleted by clients.",
+    "expired": "Sandboxes closed because their lease ran out (their client vanished).",
+    "evicted": "Snapshots deleted to stay within the snapshot limit.",
+    "failures": "Backend operations that raised or hung.",
+}
+
+
+def _metrics(pool: SandboxPool, counters: RequestCounters) -> Iterator[Metric]:
+    prefix = "tvcache_sandbox"
+    for name, text in _COUNTS.items():
+        yield CounterMetricFamily(f"{prefix}_{name}", text, value=getattr(pool.counts, name))
+    seconds = "Seconds spent executing tool calls."
+    yield CounterMetricFamily(f"{prefix}_execution_seconds", seconds, value=pool.counts.seconds_executing)
+    yield GaugeMetricFamily(f"{prefix}_live", "Live sandboxes.", value=pool.live)
+    yield GaugeMetricFamily(f"{prefix}_held_snapshots", "Snapshots held.", value=pool.snapshot_count)
+    yield CounterMetricFamily(f"{prefix}_errors", "Requests answered with a 4xx or 5xx status.", value=counters.errors)
+    yield from request_metrics(prefix, counters)
