@@ -1,0 +1,79 @@
+"""The one way in to the Docker daemon for heavy operations: container creation, commits and removals.
+
+A daemon asked for hundreds of containers at once does not get faster: it thrashes (locks, cgroup and mount
+set-up, overlay mounts), and past some point requests start failing with timeouts. The published system hit
+that with hundreds of concurrent forks. So every heavy operation passes through one pipeline per factory that
+runs at most `concurrency` of them at a time (the saturation point measured by `tvcache bench docker`) and
+retries the failures a loaded daemon gives (5xx answers, dropped connections) with exponential backoff and
+jitter. An operation must be safe to retry: creation removes a half-made container before it tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import aiodocker
+import aiohttp
+
+from .base import SandboxError
+
+__all__ = ["Pipeline", "describe", "is_transient"]
+
+T = TypeVar("T")
+
+RETRIES = 6
+FIRST_BACKOFF = 0.05
+#: A single daemon request may wait this long (a commit of a big diff takes seconds, a hung daemon forever).
+REQUEST_TIMEOUT = 300.0
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A failure worth retrying: the daemon was overloaded or the connection dropped, not a bad request."""
+    if isinstance(exc, aiodocker.DockerError):
+        return exc.status >= 500 and "No such" not in str(exc.message)
+    return isinstance(exc, aiohttp.ClientError | ConnectionError | TimeoutError)
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError | FileNotFoundError | ConnectionRefusedError):
+        return f"the Docker daemon is unreachable ({exc})"
+    if isinstance(exc, aiodocker.DockerError):
+        return f"the Docker daemon answered {exc.status}: {exc.message}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Pipeline:
+    """At most `concurrency` heavy daemon operations at once (None: no limit); transient failures retried."""
+
+    def __init__(self, concurrency: int | None):
+        if concurrency is not None and not (isinstance(concurrency, int) and concurrency >= 1):
+            raise ValueError(f"create_concurrency must be a positive int or None, got {concurrency!r}")
+        self.concurrency = concurrency
+        self._slots = asyncio.Semaphore(concurrency) if concurrency is not None else None
+        self.retries = 0
+        """How many operations were retried (a sign the cap is above the daemon's saturation point)."""
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        if self._slots is None:
+            yield
+        else:
+            async with self._slots:
+                yield
+
+    async def run(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """Run `op` in a slot; retry transient failures; raise SandboxError saying `what` failed and why."""
+        for attempt in range(RETRIES + 1):
+            try:
+                async with self._slot():
+                    return await asyncio.wait_for(op(), REQUEST_TIMEOUT)
+            except Exception as exc:
+                if attempt == RETRIES or not is_transient(exc):
+                    raise SandboxError(f"docker: {what} failed: {describe(exc)}") from exc
+                self.retries += 1
+                await asyncio.sleep(FIRST_BACKOFF * 2**attempt * (0.5 + random.random()))
+        raise AssertionError("unreachable")

@@ -1,0 +1,83 @@
+"""Labels naming the run that created each container, image and network, and the removal of a run's leftovers.
+
+Everything a `DockerSandboxes` creates carries the label `tvcache.run=<run id>`, and `tvcache.owner=<host> <pid>
+<start time>` naming the process. Closing the factory removes its run; a process that died without closing
+leaves its run behind, and the next factory on the same daemon reaps every run whose owner on this host is
+gone (the pid no longer exists, or now belongs to a process started at another time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+from typing import Any
+
+import aiodocker
+
+from ._rundir import _start_time
+
+__all__ = ["RUN_LABEL", "new_run", "reap_dead_runs", "remove_run"]
+
+RUN_LABEL = "tvcache.run"
+OWNER_LABEL = "tvcache.owner"
+
+
+def new_run() -> dict[str, str]:
+    """The labels of a new run of this process."""
+    owner = f"{socket.gethostname()} {os.getpid()} {_start_time(os.getpid())}"
+    return {RUN_LABEL: f"tvcache-{os.getpid()}-{secrets.token_hex(4)}", OWNER_LABEL: owner}
+
+
+def _owner_gone(owner: str) -> bool:
+    try:
+        host, pid, start = owner.split(" ")
+    except ValueError:
+        return False  # not ours to judge
+    return host == socket.gethostname() and _start_time(int(pid)) != start
+
+
+async def reap_dead_runs(docker: aiodocker.Docker) -> int:
+    """Remove the runs on this daemon whose owner process on this host is gone; returns how many."""
+    owners: dict[str, str] = {}
+    for item in await docker.containers.list(all=True, filters={"label": [RUN_LABEL]}):
+        labels = item["Labels"] or {}
+        owners[labels[RUN_LABEL]] = labels.get(OWNER_LABEL, "")
+    for image in await docker.images.list(all=True, filters={"label": [RUN_LABEL]}):
+        labels = image.get("Labels") or {}
+        owners[labels[RUN_LABEL]] = labels.get(OWNER_LABEL, "")
+    for network in await docker.networks.list(filters={"label": [RUN_LABEL]}):
+        labels = network.get("Labels") or {}
+        owners[labels[RUN_LABEL]] = labels.get(OWNER_LABEL, "")
+    dead = [run for run, owner in owners.items() if _owner_gone(owner)]
+    for run in dead:
+        await remove_run(docker, run)
+    return len(dead)
+
+
+async def remove_run(docker: aiodocker.Docker, run: str) -> None:
+    """Remove every container, image and network labelled with `run`: containers first (they hold images and
+    networks), then images newest first (a child before its parent)."""
+    selector = {"label": [f"{RUN_LABEL}={run}"]}
+    for item in await docker.containers.list(all=True, filters=selector):
+        with contextlib.suppress(aiodocker.DockerError):
+            await docker.containers.container(item["Id"]).delete(force=True, v=True)
+    # Newest first puts a child before its parent; commits within one second may still come out of order,
+    # so a parent that still had a child is tried again in the next pass.
+    images: list[dict[str, Any]] = await docker.images.list(all=True, filters=selector)
+    pending = sorted((i for i in images), key=lambda i: i.get("Created", 0), reverse=True)
+    while pending:
+        left = []
+        for image in pending:
+            try:
+                await docker.images.delete(image["Id"], force=True, noprune=True)
+            except aiodocker.DockerError as exc:
+                if exc.status == 409:
+                    left.append(image)
+        if len(left) == len(pending):
+            break
+        pending = left
+    for network in await docker.networks.list(filters=selector):
+        with contextlib.suppress(aiodocker.DockerError):
+            await (await docker.networks.get(network["Id"])).delete()

@@ -1,0 +1,730 @@
+"""Docker sandboxes: every sandbox is a container of one image, and a snapshot is a commit of it.
+
+    boxes = DockerSandboxes("my-task:latest", timeout=60)        # or: await DockerSandboxes.build("task/")
+    box = await boxes.create()
+    await box.execute(ToolCall("bash", {"command": "cd /app && make test"}))
+    snap = await box.snapshot()                                  # docker commit, without pausing
+    other = await boxes.restore(snap)                            # a new container from the committed image
+
+Use these for tasks that need what only a daemon gives (exact Docker semantics, services, several processes
+you talk to over a network); for a single-container task, `WorkspaceSandboxes.from_image(image)` runs the same
+image's layers as overlay lower layers and forks a hundred times faster (see images.py).
+
+**Tools** as in `WorkspaceSandboxes`, with the same outputs: `bash {"command"}` -> `{"output", "exit_code"}`
+(stdout and stderr interleaved, the middle cut past `max_output`), `read_file`, `write_file`, `list_dir`. The
+working directory and exported variables carry over from call to call and into snapshots (see _docker_exec).
+Commands run as the image's `User`, starting in its `WorkingDir` with its `Env` (plus `env`). Every command
+ends with the processes it started: nothing runs between calls, as nothing can be in a snapshot. The file
+tools work in this process through the container's merged directory (the daemon must be local, with the
+overlay2 storage driver, as it is by default; elsewhere they raise and `bash` still works).
+
+**State.** What a snapshot holds is the container's filesystem (its diff against the image) plus the shell's
+working directory and exports. Not part of it, as Docker mounts them apart: /dev (read-only here but for its
+devices; /dev/shm and /dev/mqueue are emptied after every command), /proc, /sys, and /etc/hosts,
+/etc/hostname and /etc/resolv.conf (read-only here). PIDs and SysV IPC objects are not state either. The
+hostname is `sandbox` in every container.
+
+**Changed or not** is observed: the container's upper directory (its diff) is listed after each call (path,
+inode, size, mtime, ctime, mode; an empty one in microseconds), so a call that wrote nothing and left the
+working directory and exports alone is a memo without annotation.
+
+**Snapshots** commit the container without pausing it (no command runs then: calls hold the sandbox's lock,
+and every command's processes are gone when it returns), and restore starts a container from the committed
+image. A snapshot of a container that changed nothing since its image or its last commit reuses that image.
+A commit adds a layer; a chain that would pass `max_layers` (Docker refuses more than 125) is flattened into
+one layer (export and import of the container, seconds for a big image). Images are reference-counted by
+their snapshots, their live containers and their committed children, and removed when none is left.
+
+**Scale.** Container creation, commits and removals go through one pipeline per factory that runs at most
+`create_concurrency` of them at once (the daemon's measured saturation point: more at once only makes each
+slower, and far more makes them fail) and retries what a loaded daemon rejects (see _docker_pipeline). A
+sandbox has no network (only loopback) unless `network=True`; networked sandboxes share a pool of bridge
+networks, created as needed, at most 200 containers each, instead of a network per sandbox.
+
+**Timeouts.** A call running past `timeout` seconds is killed with everything it started, and gives
+`Outcome(error=True)` with the output so far; the container stays usable. A container that dies (killed from
+outside, the daemon stopped) raises SandboxError from the call that finds it.
+
+**Cleanup.** Containers, images and networks carry labels naming the run and the process (see _docker_run).
+`close()` removes them all, also after errors, and so does the garbage collector or the interpreter's exit
+for a factory never closed; the next factory on the daemon reaps what a killed process left behind.
+
+**Fingerprint.** The image id and every setting that can change an output (environment, user, working
+directory, network, limits, `max_output`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import itertools
+import os
+import stat
+import tarfile
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiodocker
+
+from ..calls import ToolCall
+from . import _fastpaths as fast
+from ._docker_exec import kill_everything, run_bash
+from ._docker_pipeline import Pipeline, describe
+from ._docker_run import RUN_LABEL, new_run, reap_dead_runs, remove_run
+from ._layers import is_empty, listing
+from ._shell import ShellState
+from .base import Outcome, SandboxError
+from .lifecycle import ManagedSandbox, ManagedSandboxes
+
+__all__ = ["CREATE_CONCURRENCY", "TOOLS", "DockerSandbox", "DockerSandboxes", "build_image"]
+
+TOOLS = ("bash", "read_file", "write_file", "list_dir")
+#: Heavy daemon operations at once: the saturation point `tvcache bench docker` measured (see the README).
+CREATE_CONCURRENCY = 8
+#: Snapshot images are tagged `tvcache-snapshot:<run>-<n>` (an untagged image is what `docker image prune` eats).
+SNAPSHOT_REPO = "tvcache-snapshot"
+BUILD_REPO = "tvcache-build"
+#: PID 1 of every container: a shell blocked reading its (open, never written) stdin. A bash as PID 1 reaps
+#: orphans, and `kill -9 -1` inside the container cannot touch it.
+KEEPER = "while :; do read -r _ || sleep 1; done"
+#: Mounted read-only: Docker's own mounts, which a commit does not capture (writing them would be state that
+#: no snapshot carries). Device nodes stay writable on a read-only /dev. The rest is Docker's default list.
+READONLY_PATHS = [
+    "/dev",
+    "/etc/hosts",
+    "/etc/hostname",
+    "/etc/resolv.conf",
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+]
+PER_NETWORK = 200
+_FINGERPRINT_VERSION = "tvcache-docker/1"
+
+T = TypeVar("T")
+
+
+def _blocking(job: Callable[[aiodocker.Docker], Awaitable[T]], url: str | None) -> T:
+    """Run `job` with a client of its own on an event loop of its own: for the few daemon requests that sync
+    code needs (the constructor resolving the image, finalizers), wherever it is called from."""
+
+    async def main() -> T:
+        async with aiodocker.Docker(url=url) as docker:
+            return await job(docker)
+
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def thread() -> None:
+        try:
+            result.append(asyncio.run(main()))
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=thread, name="tvcache-docker")
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
+def _env_list(env: Mapping[str, str]) -> list[str]:
+    return [f"{k}={v}" for k, v in env.items()]
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    image: str
+    state: ShellState
+    depth: int
+    """Layers of the image."""
+
+
+@dataclass(slots=True)
+class _Image:
+    """One image this factory made, with what holds it."""
+
+    ref: str
+    parent: str | None
+    snapshots: int = 0
+    users: int = 0
+    children: int = 0
+
+
+@dataclass
+class _Images:
+    """Reference counts of the images this factory committed; the base image is never among them."""
+
+    ours: dict[str, _Image] = field(default_factory=dict)
+
+    def add(self, image_id: str, ref: str, parent: str) -> None:
+        self.ours[image_id] = _Image(ref, parent if parent in self.ours else None)
+        if parent in self.ours:
+            self.ours[parent].children += 1
+
+    def hold(self, image_id: str, kind: str) -> None:
+        if image_id in self.ours:
+            setattr(self.ours[image_id], kind, getattr(self.ours[image_id], kind) + 1)
+
+    def release(self, image_id: str, kind: str) -> list[str]:
+        """Drop one hold; returns the refs of images nothing holds any more, children first."""
+        if image_id not in self.ours:
+            return []
+        image = self.ours[image_id]
+        setattr(image, kind, getattr(image, kind) - 1)
+        dead = []
+        current: str | None = image_id
+        while current is not None and current in self.ours:
+            image = self.ours[current]
+            if image.snapshots or image.users or image.children:
+                break
+            del self.ours[current]
+            dead.append(image.ref)
+            current = image.parent
+            if current in self.ours:
+                self.ours[current].children -= 1
+        return dead
+
+
+class _Networks:
+    """Bridge networks shared by networked sandboxes, at most PER_NETWORK containers each."""
+
+    def __init__(self, labels: dict[str, str]):
+        self._labels = labels
+        self._users: dict[str, int] = {}
+        self._lock = asyncio.Lock()
+
+    async def acquire(self, docker: aiodocker.Docker, pipeline: Pipeline) -> str:
+        async with self._lock:
+            for name, users in self._users.items():
+                if users < PER_NETWORK:
+                    self._users[name] += 1
+                    return name
+            name = f"{self._labels[RUN_LABEL]}-net{len(self._users)}"
+            config = {"Name": name, "Driver": "bridge", "Labels": self._labels, "CheckDuplicate": True}
+            await pipeline.run("creating a network", lambda: docker.networks.create(config))
+            self._users[name] = 1
+            return name
+
+    def release(self, name: str) -> None:
+        self._users[name] -= 1
+
+
+def _cleanup_run(url: str | None, run: str) -> None:
+    """Remove a factory's run, blocking: for a factory that was never closed, or whose close could not."""
+    with contextlib.suppress(Exception):
+        _blocking(lambda docker: remove_run(docker, run), url)
+
+
+class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
+    """A factory of Docker sandboxes of one image; see the module docstring.
+
+    - `image`: a tag or image id on the daemon (no registry is contacted).
+    - `network`: False gives containers no network but loopback; True attaches them to a pooled bridge network.
+    - `timeout`: seconds per tool call; `max_output`: bytes of output kept per call.
+    - `workdir`: the shell's first working directory (default: the image's WorkingDir, else /).
+    - `env`: variables added to the image's environment.
+    - `max_processes`: processes a container may run at once (its pids limit); `memory` (bytes) and `cpus`
+      (a fraction of cores) cap it when given.
+    - `create_concurrency`: heavy daemon operations at once (None: no limit; only for measuring one).
+    - `max_layers`: image layers past which a commit chain is flattened.
+    - `docker_url`: the daemon (default: $DOCKER_HOST, else the local socket).
+    """
+
+    kind = "docker"
+
+    def __init__(
+        self,
+        image: str,
+        *,
+        network: bool = False,
+        timeout: float = 120.0,
+        workdir: str | None = None,
+        env: Mapping[str, str] | None = None,
+        max_output: int = 1 << 16,
+        max_processes: int = 4096,
+        memory: int | None = None,
+        cpus: float | None = None,
+        create_concurrency: int | None = CREATE_CONCURRENCY,
+        max_layers: int = 100,
+        docker_url: str | None = None,
+    ):
+        if not isinstance(image, str) or not image:
+            raise TypeError(f"image must be an image name or id, got {image!r}")
+        if not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not (isinstance(max_output, int) and max_output >= 64):
+            raise ValueError(f"max_output must be an int >= 64, got {max_output!r}")
+        if not (isinstance(max_processes, int) and max_processes >= 8):
+            raise ValueError(f"max_processes must be an int >= 8, got {max_processes!r}")
+        if memory is not None and not (isinstance(memory, int) and memory >= 6 << 20):
+            raise ValueError(f"memory must be a number of bytes >= 6 MiB, got {memory!r}")
+        if cpus is not None and not (isinstance(cpus, int | float) and cpus > 0):
+            raise ValueError(f"cpus must be a positive number, got {cpus!r}")
+        if not (isinstance(max_layers, int) and 2 <= max_layers <= 120):
+            raise ValueError(f"max_layers must be an int between 2 and 120, got {max_layers!r}")
+        if workdir is not None and not workdir.startswith("/"):
+            raise ValueError(f"workdir must be an absolute path, got {workdir!r}")
+        super().__init__()
+        self.image = image
+        self.network = network
+        self.timeout = float(timeout)
+        self.max_output = max_output
+        self.max_processes = max_processes
+        self.memory = memory
+        self.cpus = cpus
+        self.max_layers = max_layers
+        self.docker_url = docker_url
+        self._pipeline = Pipeline(create_concurrency)
+        try:
+            info = _blocking(lambda docker: docker.images.inspect(image), docker_url)
+        except aiodocker.DockerError as exc:
+            if exc.status == 404:
+                raise ValueError(f"no image {image!r} on the Docker daemon (build or load it first)") from exc
+            raise SandboxError(f"docker: inspecting image {image!r} failed: {describe(exc)}") from exc
+        except Exception as exc:
+            raise SandboxError(f"docker: inspecting image {image!r} failed: {describe(exc)}") from exc
+        config = info.get("Config") or {}
+        self.image_id: str = info["Id"]
+        self._depth = len((info.get("RootFS") or {}).get("Layers") or [])
+        self.user: str = config.get("User") or ""
+        self.cwd = workdir or config.get("WorkingDir") or "/"
+        image_env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
+        self.env = {**image_env, **(env or {})}
+        self._labels = new_run()
+        self._images = _Images()
+        self._networks = _Networks(self._labels)
+        self._counter = itertools.count()
+        self._docker: aiodocker.Docker | None = None
+        self._initial: ShellState | None = None
+        self._spare: DockerSandbox | None = None
+        self._setup_lock = asyncio.Lock()
+        self._fingerprint: str | None = None
+        self._cleanup_with(_cleanup_run, docker_url, self._labels[RUN_LABEL])
+
+    # -- the Sandboxes protocol --------------------------------------------------------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            settings = (
+                self.image_id,
+                sorted(self.env.items()),
+                self.user,
+                self.cwd,
+                self.network,
+                self.max_output,
+                self.max_processes,
+                self.memory,
+                self.cpus,
+            )
+            h = hashlib.blake2b(f"{_FINGERPRINT_VERSION}\0{settings!r}".encode(), digest_size=16)
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    @property
+    def run(self) -> str:
+        """The label value naming everything this factory created (`tvcache.run=<run>`)."""
+        return self._labels[RUN_LABEL]
+
+    @property
+    def retries(self) -> int:
+        """Daemon operations retried after a transient failure so far."""
+        return self._pipeline.retries
+
+    async def create(self) -> DockerSandbox:
+        self._check_open()
+        await self._ensure_setup()
+        if self._spare is not None:
+            box, self._spare = self._spare, None
+            return box
+        assert self._initial is not None
+        return await self._start(_Snapshot(self.image_id, self._initial, self._depth))
+
+    async def restore(self, snapshot_id: str) -> DockerSandbox:
+        return await self._start(self._lookup(snapshot_id))
+
+    async def delete(self, snapshot_id: str) -> None:
+        snap = self._forget(snapshot_id)
+        if snap is not None:
+            await self._drop(self._images.release(snap.image, "snapshots"))
+
+    async def close(self) -> None:
+        """Remove every container, image and network this factory created (containers concurrently)."""
+        if not self.closed:
+            await asyncio.gather(*(box.close() for box in list(self._live)), return_exceptions=True)
+        await super().close()
+
+    async def _close(self) -> None:
+        if self._docker is None:
+            return
+        try:
+            await remove_run(self._docker, self.run)
+            if self._finalizer is not None:
+                self._finalizer.detach()  # done; if not (the daemon was down), the finalizer tries again
+        except Exception:
+            pass
+        finally:
+            await self._docker.close()
+
+    def __repr__(self) -> str:
+        return f"DockerSandboxes({self.image!r}, run={self.run!r})"
+
+    @classmethod
+    async def build(cls, context_dir: str | os.PathLike[str], **options: Any) -> DockerSandboxes:
+        """Sandboxes of the image the Dockerfile in `context_dir` builds (built once, cached by content)."""
+        image = await build_image(context_dir, docker_url=options.get("docker_url"))
+        return await asyncio.to_thread(lambda: cls(image, **options))
+
+    @property
+    def image_count(self) -> int:
+        """Images this factory committed that are still held."""
+        return len(self._images.ours)
+
+    # -- internals -------------------------------------------------------------------------------------
+
+    def _client(self) -> aiodocker.Docker:
+        if self._docker is None:
+            self._docker = aiodocker.Docker(url=self.docker_url)
+        return self._docker
+
+    async def _ensure_setup(self) -> None:
+        """First use: reap dead runs, and learn the initial shell state from a first container (kept as the
+        first sandbox `create` hands out)."""
+        async with self._setup_lock:
+            if self._initial is not None:
+                return
+            docker = self._client()
+            await self._pipeline.run("reaping the runs of dead processes", lambda: reap_dead_runs(docker))
+            box = await self._start(_Snapshot(self.image_id, ShellState(cwd=os.fsencode(self.cwd)), self._depth))
+            try:
+                result = await box._bash(":")
+                if not result.finished or result.exit_code != 0 or result.state.exports is None:
+                    raise SandboxError(
+                        f"a first command in a new container of {self.image!r} failed (the image needs bash): "
+                        f"{result.output.strip()[:500]!r}"
+                    )
+            except BaseException:
+                await box.close()
+                raise
+            self._initial = box._state = result.state
+            self._spare = box
+
+    async def _start(self, snap: _Snapshot) -> DockerSandbox:
+        self._check_open()
+        docker = self._client()
+        network = await self._networks.acquire(docker, self._pipeline) if self.network else None
+        host_config: dict[str, Any] = {
+            "NetworkMode": network or "none",
+            "ReadonlyPaths": READONLY_PATHS,
+            "PidsLimit": self.max_processes,
+            "LogConfig": {"Type": "none", "Config": {}},
+        }
+        if self.memory is not None:
+            host_config["Memory"] = self.memory
+        if self.cpus is not None:
+            host_config["NanoCpus"] = int(self.cpus * 1e9)
+        config: dict[str, Any] = {
+            "Image": snap.image,
+            "Entrypoint": ["bash", "-c", KEEPER],
+            "Cmd": [],
+            "Env": _env_list(self.env),
+            "User": self.user,
+            "Hostname": "sandbox",
+            "OpenStdin": True,
+            "Labels": self._labels,
+            "HostConfig": host_config,
+        }
+
+        async def create_and_start() -> dict[str, Any]:
+            container = await docker.containers.create(config)
+            try:
+                await container.start()
+                info: dict[str, Any] = await container.show()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await container.delete(force=True)
+                raise
+            return info
+
+        self._images.hold(snap.image, "users")
+        try:
+            info = await self._pipeline.run(f"starting a container of {snap.image[:19]}", create_and_start)
+        except BaseException:
+            await self._drop(self._images.release(snap.image, "users"))
+            if network is not None:
+                self._networks.release(network)
+            raise
+        return DockerSandbox(self, docker.containers.container(info["Id"]), info, snap, network)
+
+    def _register(self, snap: _Snapshot) -> str:
+        snapshot_id = self._keep(snap)
+        self._images.hold(snap.image, "snapshots")
+        return snapshot_id
+
+    async def _drop(self, refs: list[str]) -> None:
+        """Remove images nothing holds any more (children first); a failure leaves them to `close`."""
+        docker = self._client()
+        for ref in refs:
+
+            async def remove(ref: str = ref) -> None:
+                await docker.images.delete(ref, force=True, noprune=True)
+
+            with contextlib.suppress(SandboxError):
+                await self._pipeline.run(f"removing image {ref}", remove)
+
+    async def _commit(self, container: Any, parent: str, depth: int) -> tuple[str, int]:
+        """Commit `container` (on image `parent` with `depth` layers) into a new image; flatten past max_layers."""
+        docker = self._client()
+        tag = f"{self.run}-{next(self._counter)}"
+        if depth + 1 > self.max_layers:
+            image_id = await self._pipeline.run("flattening a container", lambda: _flatten(docker, container, tag))
+            self._images.add(image_id, f"{SNAPSHOT_REPO}:{tag}", "")
+            return image_id, 1
+
+        async def commit() -> str:
+            result = await container.commit(repository=SNAPSHOT_REPO, tag=tag, pause=False)
+            return str(result["Id"])
+
+        image_id = await self._pipeline.run("committing a container", commit)
+        self._images.add(image_id, f"{SNAPSHOT_REPO}:{tag}", parent)
+        return image_id, depth + 1
+
+
+async def _flatten(docker: aiodocker.Docker, container: Any, tag: str) -> str:
+    """Export the container's whole filesystem and import it as a one-layer image labelled like it.
+
+    aiodocker has no call for either endpoint, so this uses its request method directly."""
+    info = await container.show()
+    labels = info["Config"].get("Labels") or {}
+    changes = [f"LABEL {key}={value!r}".replace("'", '"') for key, value in labels.items()]
+    async with docker._query(f"containers/{container.id}/export") as exported:
+        params = {"fromSrc": "-", "repo": SNAPSHOT_REPO, "tag": tag, "changes": changes}
+        async with docker._query_chunked_post(
+            "images/create", params=params, data=exported.content.iter_chunked(1 << 20)
+        ) as imported:
+            await imported.read()
+    image = await docker.images.inspect(f"{SNAPSHOT_REPO}:{tag}")
+    return str(image["Id"])
+
+
+class DockerSandbox(ManagedSandbox):
+    """One container; made by `DockerSandboxes.create()` or `.restore()`."""
+
+    def __init__(
+        self, factory: DockerSandboxes, container: Any, info: dict[str, Any], snap: _Snapshot, net: str | None
+    ):
+        super().__init__(factory)
+        self._f = factory
+        self.container = container
+        self._image = snap.image
+        self._depth = snap.depth
+        self._state = snap.state
+        self._network = net
+        data = (info.get("GraphDriver") or {}).get("Data") or {}
+        local = (info.get("GraphDriver") or {}).get("Name") == "overlay2"
+        self._upper: str | None = data.get("UpperDir") if local and os.path.isdir(data.get("UpperDir", "")) else None
+        self._merged: str | None = data.get("MergedDir") if local and os.path.isdir(data.get("MergedDir", "")) else None
+        self._listing: list[Any] | None = None
+        """The upper dir's listing at the last look; None while it is empty."""
+        self._last_commit: tuple[list[Any] | None, _Snapshot] | None = None
+        self._dead: str | None = None
+        self._running: asyncio.Task[Any] | None = None
+
+    @property
+    def id(self) -> str:
+        return str(self.container.id)
+
+    # -- tools -------------------------------------------------------------------------------------------
+
+    async def _bash(self, command: str) -> Any:
+        async def kill() -> None:
+            try:
+                await kill_everything(self.container)
+            except Exception as exc:
+                self._dead = f"killing a timed-out command failed: {describe(exc)}"
+
+        try:
+            return await run_bash(
+                self.container,
+                command,
+                self._state,
+                user=self._f.user,
+                timeout=self._f.timeout,
+                max_output=self._f.max_output,
+                on_timeout=kill,
+            )
+        except (aiodocker.DockerError, OSError, Exception) as exc:
+            if isinstance(exc, SandboxError):
+                raise
+            await self._check_alive()
+            raise SandboxError(f"docker: running a command failed: {describe(exc)}") from exc
+
+    async def _check_alive(self) -> None:
+        """Raise SandboxError (and remember why) when the container is no longer running."""
+        if self._dead is None:
+            try:
+                info = await self.container.show()
+                state = info.get("State") or {}
+                if not state.get("Running"):
+                    why = "it was OOM-killed" if state.get("OOMKilled") else f"exit code {state.get('ExitCode')}"
+                    self._dead = f"the container stopped ({why})"
+            except Exception as exc:
+                self._dead = f"the container cannot be inspected: {describe(exc)}"
+        if self._dead is not None:
+            raise SandboxError(f"docker sandbox {self.id[:12]} is unusable: {self._dead}")
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        tool, args = call.tool, call.args
+        if tool not in TOOLS:
+            raise ValueError(f"docker sandboxes have the tools {', '.join(TOOLS)}; got {tool!r}")
+        if not isinstance(args, dict):
+            raise ValueError(f"{tool} takes a JSON object of arguments, got the text {args[:200]!r}")
+        wanted = {"bash": ("command",), "read_file": ("path",), "write_file": ("path", "content")}
+        for key in wanted.get(tool, ("path",)):
+            if not isinstance(args.get(key), str):
+                raise ValueError(f"{tool} needs a string argument {key!r}, got args {call.key[:200]}")
+        async with self._turn():
+            if self._dead is not None:
+                raise SandboxError(f"docker sandbox {self.id[:12]} is unusable: {self._dead}")
+            state = self._state
+            if tool == "bash":
+                result = await self._bash(args["command"])
+                if result.timed_out:
+                    error = f"timed out after {self._f.timeout:g} s"
+                    return Outcome({"output": result.output, "exit_code": None, "error": error}, None, True)
+                if not result.finished:
+                    await self._check_alive()  # raises if the container died under the command
+                    error = "the command's shell was killed (by the command itself?)"
+                    return Outcome({"output": result.output, "exit_code": None, "error": error}, None, True)
+                output: dict[str, Any] = {"output": result.output, "exit_code": result.exit_code}
+                state = result.state
+            else:
+                output = self._file_tool(tool, args)
+            changed = await self._observe()
+            if state != self._state:
+                changed = True
+            self._state = state
+            return Outcome(output, changed)
+
+    def _file_tool(self, tool: str, args: dict[str, Any]) -> dict[str, Any]:
+        root = self._merged
+        if root is None:
+            raise SandboxError(
+                f"{tool} needs the container's files on this machine (a local daemon with the overlay2 "
+                "storage driver); use bash instead"
+            )
+        if tool == "read_file":
+            output = fast.read_file(root, self._state.cwd, args["path"], self._f.max_output)
+        elif tool == "write_file":
+            output = fast.write_file(root, self._state.cwd, args["path"], args["content"])
+        else:
+            output = fast.list_dir(root, self._state.cwd, args["path"])
+        if not os.path.ismount(root):  # the container went away under us: the answer may be about nothing
+            self._dead = "its filesystem was unmounted (the container stopped)"
+            raise SandboxError(f"docker sandbox {self.id[:12]} is unusable: {self._dead}")
+        return output
+
+    async def _observe(self) -> bool | None:
+        """Did the container's filesystem change since the last look? None: cannot tell (no local upper dir)."""
+        if self._upper is None:
+            return None
+        if self._listing is None and is_empty(self._upper):
+            return False
+        now = await asyncio.to_thread(listing, self._upper)
+        changed = now != self._listing
+        self._listing = now
+        return changed
+
+    # -- snapshots and lifetime -------------------------------------------------------------------------
+
+    async def snapshot(self) -> str:
+        async with self._turn():
+            await self._check_alive()
+            if self._upper is not None and self._listing is None and is_empty(self._upper):
+                snap = _Snapshot(self._image, self._state, self._depth)  # nothing written: its own image
+            elif self._upper is not None and self._last_commit is not None and self._last_commit[0] == self._listing:
+                snap = _Snapshot(self._last_commit[1].image, self._state, self._last_commit[1].depth)
+            else:
+                image, depth = await self._f._commit(self.container, self._image, self._depth)
+                snap = _Snapshot(image, self._state, depth)
+            self._last_commit = (self._listing, snap)
+            return self._f._register(snap)
+
+    def _interrupt(self) -> None:
+        # Closing while a command runs: end it now rather than wait for its timeout.
+        if self._lock.locked() and self._dead is None:
+            self._running = asyncio.ensure_future(kill_everything(self.container))
+
+    async def _release(self) -> None:
+        f = self._f
+        if f._spare is self:
+            f._spare = None
+        try:
+            with contextlib.suppress(SandboxError):
+                await f._pipeline.run(
+                    f"removing container {self.id[:12]}", lambda: self.container.delete(force=True, v=True)
+                )
+        finally:
+            if self._network is not None:
+                f._networks.release(self._network)
+            await f._drop(f._images.release(self._image, "users"))
+
+
+# -- building images ---------------------------------------------------------------------------------------
+
+
+def _context_digest(root: Path) -> str:
+    """A content hash of a build context: every path, type, mode, symlink target and file content."""
+    h = hashlib.blake2b(digest_size=16)
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        st = path.lstat()
+        h.update(f"{rel}\0{st.st_mode:o}\0".encode(errors="surrogateescape"))
+        if stat.S_ISLNK(st.st_mode):
+            h.update(os.fsencode(os.readlink(path)))
+        elif stat.S_ISREG(st.st_mode):
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _context_tar(root: Path) -> io.BytesIO:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.add(root, arcname=".")
+    buffer.seek(0)
+    return buffer
+
+
+async def build_image(context_dir: str | os.PathLike[str], *, docker_url: str | None = None) -> str:
+    """Build the Dockerfile in `context_dir` once and return the image id. The image is tagged
+    `tvcache-build:<content hash of the context>`, so an unchanged context is never built again (across
+    processes too) and a changed one always is. `.dockerignore` is not read: the whole directory is sent."""
+    root = Path(context_dir)
+    if not (root / "Dockerfile").is_file():
+        raise ValueError(f"{os.fspath(context_dir)!r} has no Dockerfile")
+    digest = await asyncio.to_thread(_context_digest, root)
+    tag = f"{BUILD_REPO}:{digest[:24]}"
+    async with aiodocker.Docker(url=docker_url) as docker:
+        try:
+            return str((await docker.images.inspect(tag))["Id"])
+        except aiodocker.DockerError as exc:
+            if exc.status != 404:
+                raise SandboxError(f"docker: inspecting {tag} failed: {describe(exc)}") from exc
+        context = await asyncio.to_thread(_context_tar, root)
+        try:
+            await docker.images.build(fileobj=context, encoding="identity", tag=tag, rm=True, forcerm=True)
+        except aiodocker.DockerError as exc:
+            raise SandboxError(f"docker: building {os.fspath(context_dir)!r} failed: {exc.message}") from exc
+        return str((await docker.images.inspect(tag))["Id"])
