@@ -30,8 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             from tvcache_bench import cli as bench_cli
         except ImportError as exc:
-            missing = f"tvcache: the benchmarks are not installed ({exc}); run: pip install -e '.[bench]'"
-            raise SystemExit(missing) from None
+            from .extras import install_command
+
+            raise SystemExit(f"tvcache: the benchmarks are not installed ({exc}): {install_command('bench')}") from None
         bench_cli.add_commands(commands)
     else:
         for name, help in _BENCH_COMMANDS.items():  # listed in --help; loaded only when chosen

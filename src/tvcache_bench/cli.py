@@ -22,8 +22,12 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from tvcache.extras import MissingExtra, require
+
+from .data import MissingData, workloads_dir
 from .strategies import STRATEGIES
 
 if TYPE_CHECKING:
@@ -111,13 +115,72 @@ def add_commands(subparsers: Any) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if args.command == "bench":
+    """Run `tvcache bench` or `tvcache replay`. A mistake that can be seen before any work (an option that does
+    not apply, a bad store URL or --base, a missing extra or benchmark data) is one line on stderr and exit
+    status 2; a run in which every call of a strategy failed measured nothing and exits with status 1."""
+    command = f"tvcache {args.command}" + (f" {args.workload}" if args.command == "bench" else "")
+    try:
+        _check(args, command)
+        if args.command == "replay":
+            return _replay_command(args)
         results = _bench(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2, default=str)
-        return 0
-    return _replay_command(args)
+    except (MissingExtra, MissingData) as exc:
+        _fail(command, str(exc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return _failed_strategies(command, results)
+
+
+def _check(args: argparse.Namespace, command: str) -> None:
+    """Everything about the command line that can be checked before any work."""
+    require("bench", "this command", "rich")
+    if args.charts:
+        require("bench", "--charts", "matplotlib")
+    if args.command == "bench":
+        workload = args.workload
+        if workload in BENCH_DEFAULTS:
+            _bench_options(args, workload)
+        if args.base is not None and workload != "sandbox":
+            _fail(command, "--base applies to the sandbox workload only")
+        if workload == "sandbox" and args.base is not None and not Path(args.base).is_dir():
+            _fail(command, f"--base {args.base} is not a directory: name the tree to measure, or leave --base out")
+        if workload in ("quick", "sql", "swe", "airline"):
+            workloads_dir()
+        if workload == "server":
+            require("server", "this command", "uvicorn", "uvloop", "httptools", "prometheus_client")
+            require("client", "this command", "aiohttp")
+        if workload == "redis":
+            require("redis", "this command", "redis")
+    store = getattr(args, "store", None)
+    if store is not None:
+        from tvcache.stores import open_store
+
+        try:
+            opened = open_store(store)  # raises MissingExtra where the store's extra is not installed
+        except ValueError as exc:
+            _fail(command, f"--store: {exc}")
+        asyncio.run(opened.close())
+
+
+def _fail(command: str, message: str) -> NoReturn:
+    print(f"{command}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _failed_strategies(command: str, summary: Any) -> int:
+    """1, saying so on stderr, if every call of some strategy failed (a wrong --sandbox or --base, say): such a
+    run measured nothing. Else 0."""
+    rows = summary.get("strategies", {}) if isinstance(summary, dict) else {}
+    failed = [(name, row) for name, row in rows.items() if row["calls"] and row["errors"] == row["calls"]]
+    for name, row in failed:
+        first = f"; the first: {row['first_error']}" if row.get("first_error") else ""
+        print(
+            f"{command}: error: every call of {name} failed ({row['calls']} calls, {row['timeouts']} timeouts"
+            f"{first}), so nothing was measured",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
 
 
 def _bench(args: argparse.Namespace) -> Any:
@@ -148,13 +211,14 @@ def _replay_command(args: argparse.Namespace) -> int:
     from .traces import TraceError
 
     try:
-        return asyncio.run(_replay(args))
+        summary = asyncio.run(_replay(args))
     except (TraceError, ValueError, TypeError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"tvcache replay: error: {exc}", file=sys.stderr)
         return 2
+    return _failed_strategies("tvcache replay", summary)
 
 
-async def _replay(args: argparse.Namespace) -> int:
+async def _replay(args: argparse.Namespace) -> dict[str, Any]:
     from .replay import ReplayOptions, replay_strategies
     from .report import print_table, wide_console, write_charts, write_json
     from .workload import load_workload
@@ -189,7 +253,7 @@ async def _replay(args: argparse.Namespace) -> int:
     if args.charts:
         for path in write_charts(result, args.charts):
             console.print(f"chart: {path}")
-    return 0
+    return result.summary()
 
 
 # Per workload: the `tvcache bench` options it takes (besides --json and --charts) and their defaults.

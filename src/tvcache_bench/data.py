@@ -10,33 +10,39 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["ENV_VAR", "workload_path", "workloads_dir"]
+__all__ = ["ENV_VAR", "MissingData", "workload_path", "workloads_dir"]
 
 ENV_VAR = "TVCACHE_WORKLOADS"
 
 # src/tvcache_bench/data.py -> parents[2] is the repository root.
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = Path(__file__).resolve().parents[2].parent / "shared" / "workloads"
+
+
+class MissingData(FileNotFoundError):
+    """The benchmark data is not where it was looked for; the message names both ways to provide it."""
 
 
 def workloads_dir() -> Path:
     """The workloads directory: `$TVCACHE_WORKLOADS` if set, else `<repo>/../shared/workloads`.
 
-    Raises `FileNotFoundError` naming both options when the directory does not exist.
+    Raises `MissingData` (a `FileNotFoundError`) naming both when the directory does not exist.
     """
     configured = os.environ.get(ENV_VAR)
-    path = Path(configured).expanduser() if configured else _REPO_ROOT.parent / "shared" / "workloads"
+    path = Path(configured).expanduser() if configured else DEFAULT
     if not path.is_dir():
-        origin = f"${ENV_VAR}" if configured else "the default location next to the repository"
-        raise FileNotFoundError(
-            f"workloads directory {path} (from {origin}) does not exist; "
-            f"set {ENV_VAR} to the directory holding traces/, tau-airline/ and sql/"
+        why = f"{ENV_VAR}={configured} is not a directory" if configured else f"{ENV_VAR} is not set"
+        raise MissingData(
+            f"no benchmark data: {why}; set {ENV_VAR} to the workloads directory (the one holding traces/, sql/ "
+            f"and tau-airline/), or put that directory at {DEFAULT} (../shared/workloads next to the repository)"
         )
     return path
 
 
 def workload_path(*parts: str) -> Path:
     """A file or directory inside the workloads directory, which must exist."""
-    path = workloads_dir().joinpath(*parts)
+    root = workloads_dir()
+    path = root.joinpath(*parts)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist in the workloads directory {workloads_dir()}")
+        source = f"${ENV_VAR}" if os.environ.get(ENV_VAR) else "the default location"
+        raise MissingData(f"the benchmark data in {root} (from {source}) has no {'/'.join(parts)}")
     return path

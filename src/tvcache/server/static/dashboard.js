@@ -6,6 +6,7 @@ const SVG = "http://www.w3.org/2000/svg";
 const STATS_EVERY_MS = 1000;
 const GRAPH_EVERY_MS = 3000;
 const CHART_SECONDS = 300; // charts show the last five minutes
+const HIT_RATE_SAMPLES = 5; // the hit rate chart: each point covers the last five samples (seconds)
 const GRAPH_LIMIT = 2000; // entries drawn at most
 
 // A token comes once in the URL fragment (#token=...), which browsers never send to the server.
@@ -56,7 +57,7 @@ function renderTotals(stats) {
   const answered = t.hits + t.waited_hits;
   const items = [
     ["lookups", fmtCount(t.lookups)],
-    ["hit rate", t.lookups ? ((100 * answered) / t.lookups).toFixed(1) + "%" : "–"],
+    ["hit rate since start", t.lookups ? ((100 * answered) / t.lookups).toFixed(1) + "%" : "–"],
     ["tool time saved", fmtSeconds(t.seconds_saved)],
     ["executions", fmtCount(t.records)],
     ["waits (single flight)", fmtCount(t.waits)],
@@ -74,7 +75,8 @@ function renderTotals(stats) {
   document.getElementById("store").textContent = stats.store + " · up " + fmtSeconds(stats.uptime);
 }
 
-// Rates between consecutive samples, over the chart window; hit rate over a 5-sample window to steady it.
+// Rates between consecutive samples (the server samples once a second), over the last CHART_SECONDS; the hit
+// rate over HIT_RATE_SAMPLES samples at a time to steady it.
 function chartData(series) {
   const t = series.t;
   const first = t.findIndex((x) => x >= t[t.length - 1] - CHART_SECONDS);
@@ -85,28 +87,36 @@ function chartData(series) {
   };
   const hitRate = []; // undefined while nothing is looked up: those seconds are left out, not drawn as 0%
   for (let i = Math.max(first, 1); i < t.length; i++) {
-    const j = Math.max(0, i - 5);
+    const j = Math.max(0, i - HIT_RATE_SAMPLES);
     const lookups = series.lookups[i] - series.lookups[j];
     if (lookups > 0) hitRate.push([t[i], Math.min(100, (100 * (series.hits[i] - series.hits[j])) / lookups)]);
   }
   const saved = [];
   for (let i = Math.max(first, 0); i < t.length; i++) saved.push([t[i], series.seconds_saved[i]]);
+  const now = t.length ? t[t.length - 1] : 0;
   return {
-    "chart-hit-rate": [hitRate, (v) => v.toFixed(0) + "%", 100],
-    "chart-saved": [saved, fmtSeconds, 0],
-    "chart-executions": [rate(series.records), fmtCount, 0],
-    "chart-waits": [rate(series.waits), fmtCount, 0],
-    "chart-evictions": [rate(series.evictions), fmtCount, 0],
+    "chart-hit-rate": [hitRate, (v) => v.toFixed(0) + "%", 100, now],
+    "chart-saved": [saved, fmtSeconds, 0, now],
+    "chart-executions": [rate(series.records), fmtCount, 0, now],
+    "chart-waits": [rate(series.waits), fmtCount, 0, now],
+    "chart-evictions": [rate(series.evictions), fmtCount, 0, now],
   };
 }
 
-function renderChart(id, points, fmt, fixedMax) {
+function fmtSpan(s) {
+  if (s >= 120) return Math.round(s / 60) + " min";
+  return Math.max(1, Math.round(s)) + " s";
+}
+
+// The window a chart covers is written under it ("last 3 min ... now"), in HTML: text inside the stretched
+// SVG would be stretched with it.
+function renderChart(id, points, fmt, fixedMax, now) {
   const figure = document.getElementById(id);
   const W = 300, H = 90, PAD = 2;
   const svg = el("svg:svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", "data-points": points.length });
   const max = fixedMax || Math.max(1e-9, ...points.map((p) => p[1]));
-  const t0 = points.length ? points[0][0] : 0;
-  const span = points.length > 1 ? points[points.length - 1][0] - t0 : 1;
+  const t0 = points.length ? points[0][0] : now;
+  const span = Math.max(now - t0, 1);
   const xy = points.map(([t, v]) => [PAD + ((W - 2 * PAD) * (t - t0)) / span, H - PAD - ((H - 2 * PAD) * v) / max]);
   svg.append(el("svg:line", { class: "axis", x1: 0, y1: H - PAD, x2: W, y2: H - PAD }));
   if (xy.length > 1) {
@@ -115,16 +125,20 @@ function renderChart(id, points, fmt, fixedMax) {
     svg.append(el("svg:polyline", { points: line }));
   }
   const caption = figure.querySelector("figcaption");
-  let now = caption.querySelector(".now");
-  if (!now) {
-    now = el("span", { class: "now" });
-    caption.append(now);
+  let value = caption.querySelector(".now");
+  if (!value) {
+    value = el("span", { class: "now" });
+    caption.append(value);
   }
-  now.textContent = points.length ? fmt(points[points.length - 1][1]) + " (max " + fmt(max) + ")" : "–";
-  if (points.length > 1) svg.append(el("svg:text", { x: 3, y: H - 5 }, "−" + Math.round(span) + " s"));
+  value.textContent = points.length ? fmt(points[points.length - 1][1]) + " (max " + fmt(max) + ")" : "–";
+  const axis = el("div", { class: "window" });
+  axis.append(el("span", {}, points.length > 1 ? "last " + fmtSpan(span) : "no data yet"), el("span", {}, "now"));
   const old = figure.querySelector("svg");
   if (old) old.replaceWith(svg);
   else figure.append(svg);
+  const oldAxis = figure.querySelector(".window");
+  if (oldAxis) oldAxis.replaceWith(axis);
+  else figure.append(axis);
 }
 
 // -- tasks ----------------------------------------------------------------------------------------------
@@ -159,12 +173,118 @@ function renderTasks(stats) {
   );
 }
 
+// -- call labels ----------------------------------------------------------------------------------------
+
+// A stored call is its key: the tool name, a space and the canonical JSON of its arguments, cut at 200
+// characters, so the JSON may stop mid-way. Labels show the tool and a short form of the arguments: the main
+// one (a command, a query, a path) as plain text, then other short ones as key=value.
+const MAIN_ARGS = ["command", "cmd", "query", "sql", "path", "file", "filename", "url", "code", "pattern", "key", "name"];
+
+function splitCall(call) {
+  const space = call.indexOf(" ");
+  if (space < 0) return [call, []];
+  const text = call.slice(space + 1);
+  try {
+    const value = JSON.parse(text);
+    if (value && typeof value === "object" && !Array.isArray(value)) return [call.slice(0, space), Object.entries(value)];
+    return [call.slice(0, space), [["", value]]];
+  } catch {
+    return [call.slice(0, space), scanPairs(text)];
+  }
+}
+
+// The key/value pairs at the start of a JSON object cut short; a value cut off ends with "…".
+function scanPairs(text) {
+  const pairs = [];
+  let i = 1;
+  if (text[0] !== "{") return [["", text + "…"]];
+  while (i < text.length && text[i] === '"') {
+    const key = readString(text, i);
+    if (!key.closed || text[key.end] !== ":") break;
+    i = key.end + 1;
+    if (text[i] === '"') {
+      const value = readString(text, i);
+      pairs.push([key.value, value.closed ? value.value : value.value + "…"]);
+      i = value.end;
+    } else {
+      const end = skipValue(text, i);
+      pairs.push([key.value, end < text.length ? text.slice(i, end) : text.slice(i) + "…"]);
+      i = end;
+    }
+    if (text[i] !== ",") break;
+    i += 1;
+  }
+  return pairs;
+}
+
+function readString(text, start) {
+  let j = start + 1;
+  while (j < text.length && text[j] !== '"') j += text[j] === "\\" ? 2 : 1;
+  const closed = j < text.length;
+  const raw = closed ? text.slice(start, j + 1) : text.slice(start).replace(/\\(u[0-9a-fA-F]{0,3})?$/, "") + '"';
+  let value;
+  try {
+    value = JSON.parse(raw);
+  } catch {
+    value = raw.slice(1, -1);
+  }
+  return { value, closed, end: closed ? j + 1 : text.length };
+}
+
+function skipValue(text, i) {
+  let depth = 0;
+  for (; i < text.length; i++) {
+    const c = text[i];
+    if (c === '"') i = readString(text, i).end - 1;
+    else if (c === "{" || c === "[") depth++;
+    else if (c === "}" || c === "]") {
+      if (depth === 0) return i;
+      depth--;
+    } else if (c === "," && depth === 0) return i;
+  }
+  return i;
+}
+
+const oneLine = (value) => (typeof value === "string" ? value : JSON.stringify(value)).replace(/\s+/g, " ").trim();
+
+function shortCall(call) {
+  const [tool, pairs] = splitCall(call);
+  if (!pairs.length) return tool;
+  let main = -1;
+  for (const name of MAIN_ARGS) if (main < 0) main = pairs.findIndex(([key]) => key === name);
+  if (main < 0) main = 0;
+  const rest = pairs
+    .filter((_, i) => i !== main)
+    .map(([key, value]) => [key, oneLine(value)])
+    .filter(([, value]) => value.length <= 24)
+    .map(([key, value]) => `${key}=${value}`);
+  return `${tool}: ${[oneLine(pairs[main][1]), ...rest].join(" ")}`;
+}
+
+// Text widths by the canvas with the labels' own font: measuring SVG text would lay the page out per label.
+let measurer = null;
+function fitText(text, width, font) {
+  if (!measurer) measurer = document.createElement("canvas").getContext("2d");
+  measurer.font = font;
+  if (measurer.measureText(text).width <= width) return text;
+  let lo = 0, hi = text.length; // the longest prefix that fits with an ellipsis
+  while (lo < hi) {
+    const mid = Math.ceil((lo + hi) / 2);
+    if (measurer.measureText(text.slice(0, mid) + "…").width <= width) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo ? text.slice(0, lo).trimEnd() + "…" : "";
+}
+
 // -- the graph ------------------------------------------------------------------------------------------
 
 // Node ids are chained hashes, so the graph of one task is a tree: every node but the root has exactly one
-// incoming edge. Leaves get consecutive columns, a parent sits above the middle of its children.
+// incoming edge. It is drawn left to right, a column per depth: leaves get consecutive rows and a parent sits
+// at the middle of its children's rows, so two nodes of one column are at least a row apart. Each edge's
+// label sits on the edge's last horizontal stretch, in its child's row and between the two columns: labels
+// of one column are a row apart, and labels of different columns never share an x, so none overlap.
 function layout(graph, rootB64) {
-  const nodes = new Map(); // base64 id -> {id, depth, children: [edge], memos: [entry], in: edge, snapshot}
+  const nodes = new Map(); // base64 id -> {id, depth, row, children: [edge], memos: [entry], in: edge, snapshots}
   const node = (id) => {
     if (!nodes.has(id)) nodes.set(id, { id, children: [], memos: [], in: null, snapshots: [] });
     return nodes.get(id);
@@ -178,53 +298,62 @@ function layout(graph, rootB64) {
     } else parent.memos.push(e);
   }
   for (const s of graph.snapshots) node(s.node).snapshots.push(s);
-  const roots = [...nodes.values()].filter((n) => n.id === rootB64 || !n.in);
-  let column = 0;
-  const place = (n, depth) => {
-    n.depth = depth;
+  // A node whose parent is not in a truncated export is drawn as a root of its own.
+  const roots = [...nodes.values()].filter((n) => n.id === rootB64 || !n.in || !nodes.has(n.in.node));
+  let rows = 0;
+  let depth = 0;
+  const place = (n, d) => {
+    n.depth = d;
+    depth = Math.max(depth, d);
     const kids = n.children.map((e) => nodes.get(e.child));
-    kids.forEach((k) => place(k, depth + 1));
-    n.x = kids.length ? (kids[0].x + kids[kids.length - 1].x) / 2 : column++;
+    kids.forEach((k) => place(k, d + 1));
+    n.row = kids.length ? (kids[0].row + kids[kids.length - 1].row) / 2 : rows++;
   };
   // An explicit stack would be needed for trees thousands of levels deep; rollouts are far shallower.
   roots.forEach((r) => place(r, 0));
-  return { nodes, columns: column };
+  return { nodes, rows, depth };
 }
+
+const ROW = 34; // px between rows: room for a label above each edge line
+const R_MAX = 10; // largest node radius: a circle and its memo badge stay inside its row
+const M = 16; // margin around the drawing
+const LABEL_FONT_PX = 11;
 
 function renderGraph(graph) {
   const svg = document.getElementById("graph");
   const rootB64 = hexToB64(selected);
-  const { nodes, columns } = layout(graph, rootB64);
-  const depth = Math.max(0, ...[...nodes.values()].map((n) => n.depth));
-  // Spread a small tree over the panel (room for edge labels); a large one scrolls at 46 px a column.
-  const M = 30, DY = 78;
-  const room = document.getElementById("graph-box").clientWidth - 2 * M - 4;
-  const DX = Math.max(46, Math.min(220, room / Math.max(columns, 1)));
-  const width = Math.max(400, columns * DX + 2 * M), height = (depth + 1) * DY + 2 * M;
+  const { nodes, rows, depth } = layout(graph, rootB64);
+  // Columns share the panel's width, 170 to 340 px each: deeper trees get shorter labels, then scroll.
+  const room = document.getElementById("graph-box").clientWidth - 2 * M - 2 * R_MAX - 4;
+  const DX = depth ? Math.max(170, Math.min(340, room / depth)) : 0;
+  const width = Math.max(300, 2 * M + 2 * R_MAX + depth * DX);
+  const height = 2 * M + Math.max(1, rows) * ROW;
   svg.setAttribute("width", width);
   svg.setAttribute("height", height);
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
-  const pos = (n) => [M + n.x * DX + DX / 2, M + n.depth * DY];
-  const labels = DX >= 110; // only where they fit
+  const pos = (n) => [M + R_MAX + n.depth * DX, M + ROW / 2 + n.row * ROW];
+  const font = `${LABEL_FONT_PX}px ${getComputedStyle(svg).fontFamily}`;
+  const elbow = R_MAX + 8; // where a parent's edges turn towards their children's rows
   const edges = el("svg:g", { class: "edges" });
   const dots = el("svg:g", { class: "nodes" });
   for (const n of nodes.values()) {
     const [x, y] = pos(n);
-    if (n.in) {
-      const parent = nodes.get(n.in.node);
-      const [px, py] = pos(parent);
-      const path = el("svg:path", {
-        class: "edge",
-        d: `M${px},${py} C${px},${(py + y) / 2} ${x},${(py + y) / 2} ${x},${y}`,
-        "stroke-width": (1 + Math.log2(1 + n.in.hits)).toFixed(1),
-        "data-hits": n.in.hits,
-      });
-      path.append(el("svg:title", {}, `${n.in.call}\n${n.in.hits} hits · ${fmtSeconds(n.in.seconds)} per execution`));
-      edges.append(path);
-      if (labels) {
-        const text = n.in.call.length > 30 ? n.in.call.slice(0, 29) + "…" : n.in.call;
-        edges.append(el("svg:text", { class: "edge-label", x: x + 8, y: y - 24 }, text));
-      }
+    if (n.in && nodes.has(n.in.node)) {
+      const [px, py] = pos(nodes.get(n.in.node));
+      const group = el("svg:g", { class: "edge-group" });
+      group.append(el("svg:title", {}, `${n.in.call}\n${n.in.hits} hits · ${fmtSeconds(n.in.seconds)} per execution`));
+      group.append(
+        el("svg:path", {
+          class: "edge",
+          d: `M${px},${py} H${px + elbow} V${y} H${x}`,
+          "stroke-width": Math.min(6, 1 + Math.log2(1 + n.in.hits)).toFixed(1),
+          "data-hits": n.in.hits,
+        }),
+      );
+      const left = px + elbow + 6;
+      const text = fitText(shortCall(n.in.call), x - R_MAX - 6 - left, font);
+      if (text) group.append(el("svg:text", { class: "edge-label", x: left, y: y - 6 }, text));
+      edges.append(group);
     }
     const hits = (n.in ? n.in.hits : 0) + n.memos.reduce((sum, m) => sum + m.hits, 0);
     const classes = ["node"];
@@ -239,13 +368,15 @@ function renderGraph(graph) {
       "data-snapshots": n.snapshots.length,
       transform: `translate(${x},${y})`,
     });
-    g.append(el("svg:circle", { r: (5 + 2 * Math.log2(1 + hits)).toFixed(1) }));
+    const r = Math.min(R_MAX - (n.snapshots.length ? 2 : 0), 4 + 1.5 * Math.log2(1 + hits));
+    g.append(el("svg:circle", { r: r.toFixed(1) }));
     g.append(el("svg:title", {}, `node ${b64ToHex(n.id).slice(0, 12)}…\n${hits} hits · ${n.memos.length} memos · ${n.snapshots.length} snapshots`));
-    if (hits) g.append(el("svg:text", { x: -4, y: 22 }, String(hits)));
     if (n.memos.length) {
-      const memo = el("svg:g", { class: "memo", transform: "translate(9,-16)" });
-      memo.append(el("svg:rect", { width: 8 + 5 * String(n.memos.length).length, height: 11, rx: 4 }));
-      memo.append(el("svg:text", { x: 3, y: 8.5 }, String(n.memos.length)));
+      // Above the circle, so it stays clear of the edges that leave the node to the right.
+      const w = 7 + 5 * String(n.memos.length).length;
+      const memo = el("svg:g", { class: "memo", transform: `translate(${-w / 2},${-R_MAX - 12})` });
+      memo.append(el("svg:rect", { width: w, height: 11, rx: 4 }));
+      memo.append(el("svg:text", { x: w / 2, y: 8.5, "text-anchor": "middle" }, String(n.memos.length)));
       g.append(memo);
     }
     g.addEventListener("mouseenter", () => showDetails(n));
@@ -263,7 +394,8 @@ function renderGraph(graph) {
   const edgesCount = graph.entries.filter((e) => e.kind === "edge").length;
   document.getElementById("graph-summary").textContent =
     `${nodes.size} states · ${edgesCount} edges · ${graph.entries.length - edgesCount} memos · ` +
-    `${graph.snapshots.length} snapshots` + (graph.truncated ? ` · showing the first ${GRAPH_LIMIT} entries` : "");
+    `${graph.snapshots.length} snapshots · ${depth} levels deep` +
+    (graph.truncated ? ` · showing the first ${GRAPH_LIMIT} entries` : "");
 }
 
 let selectedNode = null;
@@ -297,7 +429,7 @@ async function refreshStats() {
     const [stats, taskList] = await Promise.all([api("/v1/stats"), api("/v1/tasks")]);
     tasks = taskList;
     renderTotals(stats);
-    for (const [id, [points, fmt, max]] of Object.entries(chartData(stats.series))) renderChart(id, points, fmt, max);
+    for (const [id, [points, fmt, max, now]] of Object.entries(chartData(stats.series))) renderChart(id, points, fmt, max, now);
     renderTasks(stats);
     setStatus("live · " + new Date().toLocaleTimeString(), true);
     if (selected && !lastGraphKey) refreshGraph();
