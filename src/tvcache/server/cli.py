@@ -12,6 +12,7 @@ if args.command in server_cli.COMMANDS:
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 __all__ = ["COMMANDS", "add_commands", "run_command"]
@@ -49,11 +50,23 @@ def add_commands(subparsers: Any) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     if args.command == "serve":
+        from ..extras import MissingExtra, require
         from ..stores.base import StoreError
-        from .run import serve
+
+        try:
+            require("server", "the server", "uvicorn", "uvloop", "httptools", "prometheus_client")
+        except MissingExtra as exc:
+            raise SystemExit(f"tvcache serve: {exc}") from None
+        from .run import _is_loopback, serve
 
         if not 0 < args.port < 65536:
             raise SystemExit(f"--port must be 1..65535, got {args.port}")
+        # Anyone who can reach an unauthenticated server can record entries, i.e. hand rollouts wrong answers.
+        if not (args.token or os.environ.get("TVCACHE_TOKEN")) and not _is_loopback(args.host):
+            raise SystemExit(
+                f"tvcache serve: --host {args.host} is reachable from other machines, so the server needs a token:"
+                " pass --token TOKEN or set TVCACHE_TOKEN (clients then use http://:TOKEN@host:port)"
+            )
         limits: dict[str, Any] = {}
         if args.max_body_mb is not None:
             limits["max_body"] = int(args.max_body_mb * 2**20)
@@ -69,22 +82,20 @@ def run_command(args: argparse.Namespace) -> int:
                 access_log=args.access_log,
                 **limits,
             )
-        except (ValueError, OSError, StoreError) as exc:  # a bad store URL, path or limit: no traceback
+        except (ValueError, OSError, StoreError, MissingExtra) as exc:  # a bad store URL, path or limit: no traceback
             raise SystemExit(f"tvcache serve: {exc}") from None
         return 0
     if args.command == "stats":
-        if args.json:
-            import msgspec
+        import msgspec
 
-            from .report import fetch_stats
+        from .report import fetch_stats, print_stats
 
-            stats, _ = fetch_stats(args.url, args.token)
-            print(msgspec.json.format(msgspec.json.encode(stats), indent=2).decode())
-            return 0
-        from .report import print_stats
-
-        try:
-            print_stats(args.url, args.token)
+        try:  # an unreachable server or a refused token: one line, no traceback
+            if args.json:
+                stats, _ = fetch_stats(args.url, args.token)
+                print(msgspec.json.format(msgspec.json.encode(stats), indent=2).decode())
+            else:
+                print_stats(args.url, args.token)
         except RuntimeError as exc:
             raise SystemExit(f"tvcache stats: {exc}") from None
         return 0

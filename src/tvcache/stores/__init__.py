@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..extras import require
 from .base import Claim, EntryInfo, GraphExport, Lease, SnapshotRecord, Store, StoreError, TaskInfo
 
 __all__ = [
@@ -32,10 +33,12 @@ def open_store(url: str | None) -> Store:
             raise ValueError(f"a sqlite store URL is sqlite:///relative/path.db or sqlite:////abs/path.db, got {url!r}")
         return SQLiteStore(path[1:])
     if url.startswith(("http://", "https://")):
+        require("client", "the http:// store", "aiohttp")
         from .http import HTTPStore
 
         return HTTPStore(url)
     if url.startswith(("redis://", "rediss://", "redis+cluster://")):
+        require("redis", "the redis:// store", "redis")
         from .redis import RedisStore
 
         return RedisStore(url)
