@@ -207,6 +207,27 @@ def test_missing_benchmark_data_names_both_ways_to_provide_it(tmp_path: Path) ->
     )
 
 
+# -- reports that explain themselves --------------------------------------------------------------------------
+
+
+def test_the_bench_table_explains_itself(tmp_path: Path, sql_traces: Path) -> None:
+    result = tvcache_command(*replay_args(sql_traces, "--strategies", "none,naive"), tmp=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # rich wraps long lines
+    footer = text.split("reading the table:", 1)[1]
+    assert "none = no cache: every call executes in the rollout's own sandbox; its answers are the oracle" in footer
+    assert "naive = a cache keyed on (tool, args) alone, blind to the sandbox's state" in footer
+    assert "paper =" not in footer and "tvcache =" not in footer  # only the strategies of this run
+    assert "speedup = total: none's total tool time / the strategy's" in footer
+    assert "median: none's median call time / the strategy's" in footer
+    assert "incorrect hits = hits whose answer differs from the uncached answer" in footer
+    assert "wrong answers (noted above where there are more) also count executed calls" in footer
+    result = tvcache_command(*replay_args(sql_traces, "--strategies", "paper,tvcache"), tmp=tmp_path)
+    footer = " ".join(result.stdout.split()).split("reading the table:", 1)[1]
+    assert "paper = the published policy: a key per exact history of calls" in footer and "tvcache = " in footer
+    assert "speedup =" not in footer and "incorrect hits =" not in footer  # nothing was compared without none
+
+
 # -- tvcache stats --------------------------------------------------------------------------------------------
 
 

@@ -94,8 +94,36 @@ def print_table(result: ReplayResult, console: Console | None = None) -> None:
             format_bytes(row["peak_memory_bytes"]),
         )
     console.print(table)
-    for line in _footnotes(result, summary):
+    for line in [*_footnotes(result, summary), *_legend(summary["strategies"])]:
         console.print(line, highlight=False)
+
+
+# What each strategy is, in the table's footer.
+MEANINGS = {
+    "none": "no cache: every call executes in the rollout's own sandbox; its answers are the oracle",
+    "naive": "a cache keyed on (tool, args) alone, blind to the sandbox's state: after a state-changing call it can "
+    "return an answer recorded in another state",
+    "paper": "the published policy: a key per exact history of calls, read-only tools memoized only where "
+    "annotated, a snapshot after every state-changing call, no single flight",
+    "tvcache": "tvcache.ToolCache with its defaults (in memory unless --store)",
+}
+
+
+def _legend(strategies: dict[str, Any]) -> list[str]:
+    """How to read the table: the strategies in it, the two speedups, incorrect hits against wrong answers."""
+    lines = ["reading the table:", *(f"  {name} = {MEANINGS[name]}" for name in strategies if name in MEANINGS)]
+    lines.append("  executions = tool calls run for rollouts; +N replayed = calls run again to rebuild a sandbox state")
+    if "none" in strategies:
+        lines.append(
+            "  speedup = total: none's total tool time / the strategy's (all the time rollouts waited for tools); "
+            "median: none's median call time / the strategy's (a typical call; a hit takes microseconds)"
+        )
+        lines.append(
+            "  incorrect hits = hits whose answer differs from the uncached answer of the same call of the same "
+            "rollout; wrong answers (noted above where there are more) also count executed calls whose answer "
+            "differs because an earlier incorrect hit skipped a state change"
+        )
+    return lines
 
 
 def _footnotes(result: ReplayResult, summary: dict[str, Any]) -> list[str]:
