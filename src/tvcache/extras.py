@@ -7,9 +7,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
-import json
-from urllib.parse import unquote, urlsplit
 
 __all__ = ["MissingExtra", "install_command", "require"]
 
@@ -34,6 +31,11 @@ def require(extra: str, feature: str, *modules: str) -> None:
 def install_command(extra: str) -> str:
     """`pip install 'tvcache[extra]'`, or for a checkout installed with `pip install -e DIR`, the same for DIR
     (the package index may not have this version, or any)."""
+    # Imported here: `tvcache.stores` imports this module, and `import tvcache` must stay light.
+    import importlib.metadata
+    import json
+    from urllib.parse import unquote, urlsplit
+
     try:
         origin = json.loads(importlib.metadata.distribution("tvcache").read_text("direct_url.json") or "{}")
     except (importlib.metadata.PackageNotFoundError, ValueError):
