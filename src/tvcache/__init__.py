@@ -20,6 +20,7 @@ from .sync import SyncRollout, SyncToolCache
 from .version import __version__
 
 __all__ = [
+    "DockerSandboxes",
     "Entry",
     "Outcome",
     "PythonSandboxes",
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 _BACKENDS = {
+    "DockerSandboxes": "tvcache.sandboxes.docker",
     "PythonSandboxes": "tvcache.sandboxes.python",
     "RemoteSandboxes": "tvcache.sandboxes.remote",
     "SQLiteSandboxes": "tvcache.sandboxes.sqlite",
