@@ -1,8 +1,9 @@
 """Real Redis servers for the tests: one server, or a 3-node cluster, on free ports in a temporary directory.
 
-Each is started once per test session (the `redis_server` and `redis_cluster` fixtures) with persistence off,
-and stopped at the end. Tests that need `redis-server` are skipped, saying so, where it is not installed
-(`apt-get install redis-server`).
+Each is started once per test session (the `redis_server` and `redis_cluster` fixtures) as the README says to
+run Redis for tvcache: with AOF and an fsync per write (`appendonly yes`, `appendfsync always`; free on
+tmpfs), so every acknowledged write survives `kill -9`. Each is stopped at the end. Tests that need
+`redis-server` are skipped, saying so, where it is not installed (`apt-get install redis-server`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _answers(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))  # up, if only for clients with a password
     except OSError:
         return False
 
@@ -57,11 +58,19 @@ def _answers(port: int) -> bool:
 class RedisServer:
     """Redis server processes (one, or the nodes of a cluster) and the URL to reach them."""
 
-    def __init__(self, url: str, ports: list[int], procs: list[subprocess.Popen[bytes]], workdir: Path):
+    def __init__(
+        self,
+        url: str,
+        ports: list[int],
+        procs: list[subprocess.Popen[bytes]],
+        workdir: Path,
+        commands: list[list[str]] | None = None,
+    ):
         self.url = url
         self.ports = ports
         self.procs = procs
         self.workdir = workdir
+        self.commands = commands or [[str(a) for a in p.args] for p in procs]
 
     def cli(self, *args: str, port: int | None = None) -> str:
         out = subprocess.run(
@@ -81,19 +90,33 @@ class RedisServer:
         for proc in self.procs:
             proc.send_signal(signal.SIGCONT)
 
-    def stop(self) -> None:
+    def kill(self) -> None:
+        """SIGKILL every process, as a crash would: nothing is flushed on the way out. Files stay."""
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGKILL's exit otherwise
                 proc.kill()
                 proc.wait()
+
+    def restart(self) -> None:
+        """Kill, then start the same servers on the same ports and files; return once they answer."""
+        self.kill()
+        self.procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in self.commands]
+        for port in self.ports:
+            _await(lambda port=port: _answers(port), f"redis-server on port {port}")
+
+    def stop(self) -> None:
+        self.kill()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _spawn(port: int, workdir: Path, *extra: str) -> subprocess.Popen[bytes]:
-    quiet = ["--save", "", "--appendonly", "no", "--dir", str(workdir), "--logfile", f"redis-{port}.log"]
+    """A server on `port` keeping its files in `workdir` under names of its own (a cluster's nodes share it).
+    Later options override earlier ones: `extra` can turn AOF off or bind elsewhere."""
+    files = ["--dir", str(workdir), "--logfile", f"redis-{port}.log", "--dbfilename", f"dump-{port}.rdb"]
+    durable = ["--save", "", "--appendonly", "yes", "--appendfsync", "always", "--appenddirname", f"aof-{port}"]
     return subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", *quiet, *extra],
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", *files, *durable, *extra],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -107,12 +130,13 @@ def _await(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def start_server() -> RedisServer:
+def start_server(*extra: str) -> RedisServer:
+    """One server; `extra` options go to redis-server (`"--appendonly", "no"` for Redis's defaults)."""
     if shutil.which("redis-server") is None:
         pytest.skip(MISSING)
     workdir = Path(tempfile.mkdtemp(prefix="tvcache-redis-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     port = free_port()
-    server = RedisServer(f"redis://127.0.0.1:{port}/0", [port], [_spawn(port, workdir)], workdir)
+    server = RedisServer(f"redis://127.0.0.1:{port}/0", [port], [_spawn(port, workdir, *extra)], workdir)
     try:
         _await(lambda: _answers(port), f"redis-server on port {port}")
     except BaseException:

@@ -321,3 +321,120 @@ def test_a_cancelled_wait_leaves_the_store_usable(server: RedisServer) -> None:
         await store.close()
 
     asyncio.run(main())
+
+
+# -- durability, health and failures as StoreError ---------------------------------------------------------------
+
+
+def test_acknowledged_entries_survive_kill_9_of_redis_itself(doomed_server: RedisServer) -> None:
+    """The fixtures run Redis as the README says to (AOF, appendfsync always): every entry, task and snapshot
+    record acknowledged before Redis is killed with SIGKILL is there after it restarts."""
+    from tvcache.stores import TaskInfo
+
+    count = 300
+
+    async def write() -> None:
+        store = RedisStore(doomed_server.url)
+        await store.register(TaskInfo(SCOPE, "ns", "task", "fp"))
+        for i in range(count):
+            await store.record(SCOPE, NODE, i.to_bytes(16, "big"), Entry(EDGE, str(i).encode(), 0.1), None)
+        await store.add_snapshot(SCOPE, "o", [NODE], "s1", 4)
+        await store.close()
+
+    async def read() -> None:
+        store = RedisStore(doomed_server.url)
+        for i in range(count):
+            assert await store.lookup(SCOPE, NODE, i.to_bytes(16, "big")) == Entry(EDGE, str(i).encode(), 0.1), i
+        assert [t.task for t in await store.tasks()] == ["task"]
+        assert [r.snapshot_id for r in await store.snapshots(SCOPE)] == ["s1"]
+        await store.close()
+
+    asyncio.run(write())
+    doomed_server.restart()  # SIGKILL, then the same server on the same files
+    asyncio.run(read())
+
+
+def test_a_server_without_aof_gets_one_warning(caplog: pytest.LogCaptureFixture, server: RedisServer) -> None:
+    lossy = start_server("--appendonly", "no")
+    refusing = start_server("--appendonly", "no", "--rename-command", "CONFIG", "")
+
+    async def use(url: str) -> None:
+        store = RedisStore(url)
+        await store.ping()
+        await store.record(SCOPE, NODE, DIGEST, Entry(EDGE, b"x", 0.1), None)
+        assert await store.lookup(SCOPE, NODE, DIGEST) == Entry(EDGE, b"x", 0.1)
+        await store.close()
+        await store.ping()  # a new connection, no new warning
+
+    try:
+        with caplog.at_level("WARNING", logger="tvcache"):
+            asyncio.run(use(lossy.url))
+            warned = [r.getMessage() for r in caplog.records]
+            caplog.clear()
+            asyncio.run(use(server.url))  # AOF on: nothing to say
+            asyncio.run(use(refusing.url))  # CONFIG refused: nothing to learn, nothing to say
+            assert [r.getMessage() for r in caplog.records] == []
+    finally:
+        lossy.stop()
+        refusing.stop()
+    assert len(warned) == 1 and "without AOF (appendonly no)" in warned[0] and str(lossy.ports[0]) in warned[0]
+
+
+def test_ping(server: RedisServer, cluster: RedisServer) -> None:
+    guarded = start_server("--requirepass", "s3cret")
+    port = guarded.ports[0]
+
+    async def main() -> None:
+        for url in (server.url, cluster.url, f"redis://:s3cret@127.0.0.1:{port}/0"):
+            store = RedisStore(url)
+            await store.ping()
+            await store.close()
+        for url, refusal in [
+            (f"redis://127.0.0.1:{port}/0", "AuthenticationError"),
+            (f"redis://:guess@127.0.0.1:{port}/0", "AuthenticationError"),
+            (f"redis://127.0.0.1:{free_port()}/0", "Connect"),
+        ]:
+            store = RedisStore(url)
+            with pytest.raises(StoreError, match=refusal):
+                await store.ping()
+            await store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        guarded.stop()
+
+
+def test_values_that_do_not_decode_and_wrong_types_are_store_errors(server: RedisServer) -> None:
+    """Keys written badly by another program: a blob that is not an Entry, a task that is not a TaskInfo, a
+    key of the wrong type. Each raises StoreError, as an unreachable server would."""
+    import redis
+
+    raw = redis.Redis.from_url(server.url)
+    prefix = f"tvc:{{{SCOPE}}}:"
+    other = Scope("ns", "other", "fp").key
+    raw.hset(prefix + "entries", NODE + DIGEST, b"\xc1 not msgpack")
+    raw.hset("tvc:tasks", SCOPE, b"\x93\x01\x02")
+    raw.set(f"tvc:{{{other}}}:entries", b"a string, not a hash")
+    raw.close()
+
+    async def main() -> None:
+        store = RedisStore(server.url)
+        with pytest.raises(StoreError, match="corrupt entry"):
+            await store.lookup(SCOPE, NODE, DIGEST, claim=5.0)
+        with pytest.raises(StoreError, match="corrupt entry"):
+            await store.wait(SCOPE, NODE, DIGEST, 1.0)
+        with pytest.raises(StoreError, match="corrupt entry"):  # first writer wins: the corrupt one answers
+            await store.record(SCOPE, NODE, DIGEST, Entry(EDGE, b"x", 0.1), None)
+        with pytest.raises(StoreError, match="corrupt"):
+            await store.export(SCOPE)
+        with pytest.raises(StoreError, match="corrupt task"):
+            await store.tasks()
+        with pytest.raises(StoreError, match="WRONGTYPE"):
+            await store.lookup(other, NODE, DIGEST)
+        with pytest.raises(StoreError, match="WRONGTYPE"):
+            await store.record(other, NODE, DIGEST, Entry(EDGE, b"", 0), None)
+        await store.ping()  # the store itself is fine
+        await store.close()
+
+    asyncio.run(main())

@@ -19,19 +19,22 @@ __all__ = [
 
 
 def open_store(url: str | None) -> Store:
-    """`None` or "memory://": in memory; "sqlite:///path.db": a durable file; "http://host:port": a shared
-    `tvcache serve`; "redis://host:port/db": Redis or Redis Cluster. Each backend is imported only when used."""
+    """`None` or "memory://": in memory; "sqlite:///path.db?cache_mb=64": a durable file, at most `cache_mb` of
+    its entries also in memory; "http://host:port": a shared `tvcache serve`; "redis://host:port/db": Redis or
+    Redis Cluster. Each backend is imported only when used."""
     if url is None or url == "memory://":
         from .memory import MemoryStore
 
         return MemoryStore()
+    if url.startswith("memory://"):
+        raise ValueError(
+            f"the memory store takes no options, got {url!r}: it is the whole graph and cannot drop entries;"
+            " for bounded memory use sqlite:///path.db?cache_mb=N"
+        )
     if url.startswith("sqlite://"):
         from .sqlite import SQLiteStore
 
-        path = url.removeprefix("sqlite://")
-        if not path.startswith("/") or path == "/":
-            raise ValueError(f"a sqlite store URL is sqlite:///relative/path.db or sqlite:////abs/path.db, got {url!r}")
-        return SQLiteStore(path[1:])
+        return SQLiteStore.from_url(url)
     if url.startswith(("http://", "https://")):
         require("client", "the http:// store", "aiohttp")
         from .http import HTTPStore

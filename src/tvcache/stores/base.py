@@ -28,7 +28,9 @@ __all__ = [
 
 
 class StoreError(RuntimeError):
-    """The store could not do what was asked (unreachable, corrupt, refused)."""
+    """The store could not do what was asked: unreachable, timed out, refused (a wrong token, a locked
+    database), or holding data that does not decode. Every failure of a store surfaces as this; any other
+    exception from a store method is a bug."""
 
 
 class Claim(msgspec.Struct, frozen=True):
@@ -139,6 +141,10 @@ class Store(Protocol):
 
     async def export(self, scope_key: str, limit: int = 10_000) -> GraphExport:
         """The scope's graph as data (at most `limit` entries), with hit counts, for dashboards."""
+        ...
+
+    async def ping(self) -> None:
+        """Check, cheaply, that the store answers and accepts us; raise `StoreError` if not."""
         ...
 
     async def close(self) -> None: ...

@@ -75,31 +75,29 @@ class EmbeddedEntries:
 
     def __init__(self) -> None:
         self._flights = Flights()
-        self._hits: dict[bytes, int] = {}  # node + digest -> hits, for exports
 
-    def _get(self, scope_key: str, node: bytes, digest: bytes) -> Entry | None:
+    async def _get(self, scope_key: str, node: bytes, digest: bytes, hit: bool) -> Entry | None:
+        """The entry, if recorded; `hit` counts a lookup answered with it, for exports."""
         raise NotImplementedError
 
-    def _put(self, scope_key: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
+    async def _put(self, scope_key: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
         """Store `entry` unless one exists; return the one stored."""
         raise NotImplementedError
 
     async def lookup(self, scope_key: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
-        entry = self._get(scope_key, node, digest)
-        key = node + digest
+        entry = await self._get(scope_key, node, digest, True)
         if entry is not None:
-            self._hits[key] = self._hits.get(key, 0) + 1
             return entry
         if claim <= 0:
             return None
-        return Claim(self._flights.claim(key, claim))
+        return Claim(self._flights.claim(node + digest, claim))
 
     async def wait(self, scope_key: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
         await self._flights.wait(node + digest, timeout)
-        return self._get(scope_key, node, digest)
+        return await self._get(scope_key, node, digest, False)
 
     async def record(self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
-        winner = self._put(scope_key, node, digest, entry)
+        winner = await self._put(scope_key, node, digest, entry)
         self._flights.finish(node + digest, None)  # any entry ends the flight, whoever claimed it
         return winner
 

@@ -9,8 +9,10 @@ The pool is not capped: a `wait` holds its connection until the entry arrives, a
 waiters would hold up the very `record` that wakes them.
 
 Failures are quick and loud: a refused connection fails at once, a connect that hangs after
-`connect_timeout`, and any failure, timeout or non-200 answer raises `StoreError`, so the rollout executes
-the call directly (counted as a store error) and uses the cache again once the server answers.
+`connect_timeout`, and any failure, timeout or non-200 answer (a 401 for a wrong token, a 503 when the
+server's own store fails) raises `StoreError`, so the rollout executes the call directly (counted as a store
+error) and uses the cache again once the server answers. Numbers past the wire format's limits (a claim of
+2**64 seconds) are clamped to them here rather than refused there.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from yarl import URL
 from ..graph import Entry
 from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo
 from .wire import (
+    MAX_COUNT,
+    MAX_EXPORT,
+    MAX_TTL,
+    MAX_WAIT,
     AddSnapshotRequest,
     DropSnapshotRequest,
     ErrorReply,
@@ -51,10 +57,16 @@ T = TypeVar("T")
 
 WAIT_MARGIN = 10.0  # a wait's HTTP timeout exceeds its wait timeout by this much: the server answers first
 IDLE_SECONDS = 30.0  # idle pooled connections close before the server's keep-alive (75 s) would close them
+PING_SCOPE = "0" * 32  # no task has this scope key (a root node id is a hash): `ping` lists its snapshots
 
 _encoder = msgspec.json.Encoder()
 _decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
 _errors = msgspec.json.Decoder(ErrorReply)
+
+
+def _within(value: float, high: float) -> float:
+    """`value` clamped to the wire's range [0, high]: in range for the server, and small enough to encode."""
+    return max(0.0, min(value, high))
 
 
 def _decoder(kind: Any) -> msgspec.json.Decoder[Any]:
@@ -130,10 +142,16 @@ class HTTPStore:
     # -- the Store protocol ----------------------------------------------------------------------------
 
     async def lookup(self, scope_key: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
-        found: LookupReply = await self._call("lookup", LookupRequest(scope_key, node, digest, claim), LookupReply)
-        return found.entry.entry() if found.entry is not None else found.claim
+        request = LookupRequest(scope_key, node, digest, _within(claim, MAX_TTL))
+        found: LookupReply = await self._call("lookup", request, LookupReply)
+        if found.entry is not None:
+            return found.entry.entry()
+        if claim > 0 and found.claim is None:
+            raise StoreError(f"cache server {self.url} sent an invalid lookup reply: neither an entry nor a claim")
+        return found.claim
 
     async def wait(self, scope_key: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
+        timeout = _within(timeout, MAX_WAIT)  # a shorter wait ends in "not yet": the caller looks up and waits again
         request = WaitRequest(scope_key, node, digest, timeout)
         found: WireEntry | None = await self._call("wait", request, WireEntry | None, wait=timeout)
         return found.entry() if found is not None else None
@@ -146,10 +164,12 @@ class HTTPStore:
         await self._call("release", ReleaseRequest(scope_key, node, digest, token), None)
 
     async def refresh(self, scope_key: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
-        return await self._call("refresh", RefreshRequest(scope_key, node, digest, token, ttl), bool)
+        return await self._call("refresh", RefreshRequest(scope_key, node, digest, token, _within(ttl, MAX_TTL)), bool)
 
     async def lease(self, scope_key: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
-        return await self._call("lease", LeaseRequest(scope_key, origin, list(path), ttl), Lease | None)
+        return await self._call(
+            "lease", LeaseRequest(scope_key, origin, list(path), _within(ttl, MAX_TTL)), Lease | None
+        )
 
     async def unlease(self, scope_key: str, token: str) -> None:
         await self._call("unlease", UnleaseRequest(scope_key, token), None)
@@ -157,7 +177,7 @@ class HTTPStore:
     async def add_snapshot(
         self, scope_key: str, origin: str, path: Sequence[bytes], snapshot_id: str, budget: int
     ) -> list[str]:
-        request = AddSnapshotRequest(scope_key, origin, list(path), snapshot_id, budget)
+        request = AddSnapshotRequest(scope_key, origin, list(path), snapshot_id, _within(budget, MAX_COUNT))
         return await self._call("add_snapshot", request, list[str])
 
     async def drop_snapshot(self, scope_key: str, origin: str, node: bytes, snapshot_id: str) -> None:
@@ -174,7 +194,12 @@ class HTTPStore:
         return await self._call("tasks", None, list[TaskInfo])
 
     async def export(self, scope_key: str, limit: int = 10_000) -> GraphExport:
-        return await self._call("export", ExportRequest(scope_key, limit), GraphExport)
+        return await self._call("export", ExportRequest(scope_key, _within(limit, MAX_EXPORT)), GraphExport)
+
+    async def ping(self) -> None:
+        """One authenticated round trip that reaches the server's store (the snapshots of a scope no task has):
+        a server that is down, a wrong token or a server whose store fails raise `StoreError`."""
+        await self._call("snapshots", SnapshotsRequest(PING_SCOPE, None), list[SnapshotRecord])
 
     async def close(self) -> None:
         closer, self._closer, self._session = self._closer, None, None

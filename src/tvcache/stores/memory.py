@@ -1,4 +1,8 @@
-"""The embedded in-memory store: one process, no durability, the fastest hits."""
+"""The embedded in-memory store: one process, no durability, the fastest hits.
+
+It is the graph itself, so it cannot drop entries to bound its memory: a run's graph grows with its distinct
+calls. Use `sqlite:///path.db?cache_mb=N` where that matters: the file holds the graph, memory a bounded part.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..graph import Entry
-from ..policy import choose_evictions
 from .base import GraphExport, Lease, SnapshotRecord, TaskInfo, export_entries
+from .eviction import choose_evictions
 from .flights import EmbeddedEntries
 
 __all__ = ["MemoryStore"]
@@ -41,6 +45,7 @@ class MemoryStore(EmbeddedEntries):
     def __init__(self) -> None:
         super().__init__()
         self._tasks: dict[str, _Task] = {}
+        self._hits: dict[bytes, int] = {}  # node + digest -> lookups answered with it, for exports
 
     def _task(self, scope_key: str) -> _Task:
         task = self._tasks.get(scope_key)
@@ -48,10 +53,14 @@ class MemoryStore(EmbeddedEntries):
             task = self._tasks[scope_key] = _Task()
         return task
 
-    def _get(self, scope_key: str, node: bytes, digest: bytes) -> Entry | None:
-        return self._task(scope_key).entries.get(node + digest)
+    async def _get(self, scope_key: str, node: bytes, digest: bytes, hit: bool) -> Entry | None:
+        key = node + digest
+        entry = self._task(scope_key).entries.get(key)
+        if entry is not None and hit:
+            self._hits[key] = self._hits.get(key, 0) + 1
+        return entry
 
-    def _put(self, scope_key: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
+    async def _put(self, scope_key: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
         return self._task(scope_key).entries.setdefault(node + digest, entry)
 
     async def lease(self, scope_key: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
@@ -120,5 +129,9 @@ class MemoryStore(EmbeddedEntries):
         entries = export_entries(((k[:16], k[16:], e, self._hits.get(k, 0)) for k, e in items[:limit]))
         return GraphExport(task.info, entries, self._records(scope_key, None), len(items) > limit)
 
+    async def ping(self) -> None:
+        """Always answers: it lives in this process."""
+
     async def close(self) -> None:
         self._tasks.clear()
+        self._hits.clear()

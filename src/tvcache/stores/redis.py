@@ -31,7 +31,14 @@ a stale element only causes a spurious wake-up, after which the waiter looks aga
 
 All times (lease expiry, last use) come from the server's clock, so machines with skewed clocks agree.
 Failures to reach the server raise `StoreError` quickly (a short connect timeout, no client-side retries), so
-the cache falls back to executing directly instead of stalling a training step.
+the cache falls back to executing directly instead of stalling a training step; so do errors the server
+answers with and stored values that do not decode.
+
+Redis acknowledges a write before it is on disk unless told otherwise: with its defaults (no AOF, RDB
+snapshots now and then) most entries acknowledged since the last snapshot are gone after a crash or a
+`kill -9`. Run it with `appendonly yes` and `appendfsync always` (nothing acknowledged is lost) or `everysec`
+(about the last second may be). The store warns once, at its first connection, when a server runs without
+AOF (and says nothing where `CONFIG GET` is refused, as managed services often do).
 """
 
 from __future__ import annotations
@@ -39,11 +46,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from redis.asyncio import Redis
@@ -51,17 +59,21 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool, SSLConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from ..graph import Entry
 from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo, export_entries
 
 __all__ = ["RedisStore"]
 
+log = logging.getLogger("tvcache")
+
 CONNECT_TIMEOUT = 1.0  # seconds; an unreachable server must fail fast, the cache then executes directly
 SOCKET_TIMEOUT = 5.0  # a reply taking longer means the server is stuck: also a failure
 WAKE_SECONDS = 10  # how long a wake list outlives its push; far above one round trip
+MAX_SECONDS = 10 * 365 * 86400.0  # longer claims and leases are clamped to this: Redis expiries are bounded
 
+T = TypeVar("T")
 _Arg = str | bytes | int | float
 _ERRORS = (RedisError, RedisClusterException, OSError)
 
@@ -230,7 +242,7 @@ return 0
 )
 
 # ARGV: prefix, origin, budget, snapshot id, path nodes (root first; the snapshot is at the last).
-# Returns the snapshot ids to delete. Eviction follows tvcache.policy.choose_evictions: never a leased one,
+# Returns the snapshot ids to delete. Eviction follows tvcache.stores.eviction.choose_evictions: never a leased one,
 # leaves before inner snapshots, least recently used first, the one just added last.
 _ADD_SNAPSHOT = _Script(
     _CLOCK,
@@ -375,6 +387,15 @@ class _Connection:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+def _seconds(value: float) -> float:
+    return max(0.0, min(value, MAX_SECONDS))
+
+
+def _ms(seconds: float) -> int:
+    """A claim's ttl in whole milliseconds as Redis takes it: at least 1, at most `MAX_SECONDS`."""
+    return max(1, round(_seconds(seconds) * 1000))
+
+
 async def _close_at_loop_end(clients: Sequence[_Client]) -> AsyncGenerator[None, None]:
     """Suspended until closed: by `close()`, or by `asyncio.run` finalizing async generators when its loop
     ends, which closes the connections on the loop that owns them."""
@@ -417,8 +438,8 @@ class RedisStore:
         self._grace = float(options["socket_timeout"] or SOCKET_TIMEOUT)
         self._where = f"{options.get('host') or options.get('path')}:{options.get('port', '')}"
         self._tasks_key = f"{prefix}:tasks"
-        self._keys: dict[str, _Keys] = {}
         self._connection: _Connection | None = None
+        self._durability_checked = False
 
     # -- connections -------------------------------------------------------------------------------------
 
@@ -443,26 +464,43 @@ class RedisStore:
             await anext(link.closer)
         if not link.ready:
             async with link.lock:
-                # A cluster client learns the slot map before its first command: one sent before that goes to
-                # an arbitrary node and is redirected, and redis-py answers a burst of redirections by
-                # rebuilding its connections under the commands in flight.
-                for c in (link.client, link.blocking):
-                    if not link.ready and isinstance(c, RedisCluster):
-                        await c.initialize()
-                link.ready = True
+                if not link.ready:
+                    # A cluster client learns the slot map before its first command: one sent before that goes
+                    # to an arbitrary node and is redirected, and redis-py answers a burst of redirections by
+                    # rebuilding its connections under the commands in flight.
+                    for c in (link.client, link.blocking):
+                        if isinstance(c, RedisCluster):
+                            await c.initialize()
+                    if not self._durability_checked:
+                        await self._check_durability(link.client)
+                    link.ready = True
         return link
+
+    async def _check_durability(self, client: _Client) -> None:
+        """Warn once if a server runs without AOF: it loses acknowledged entries when it dies."""
+        options = {"target_nodes": RedisCluster.PRIMARIES} if self._cluster else {}
+        try:
+            reply = await client.execute_command("CONFIG GET", "appendonly", **options)
+        except ResponseError:  # CONFIG is refused or renamed here: nothing to learn, nothing to say
+            reply = {}
+        self._durability_checked = True
+        replies = reply.values() if self._cluster else [reply]
+        if any(_text(r.get("appendonly") or r.get(b"appendonly") or b"") == "no" for r in replies):
+            log.warning(
+                "redis store at %s: the server runs without AOF (appendonly no), so entries it acknowledged are"
+                " lost if it crashes or is killed; run it with appendonly yes and appendfsync always or everysec",
+                self._where,
+            )
 
     def _error(self, exc: BaseException) -> StoreError:
         return StoreError(f"redis store at {self._where}: {type(exc).__name__}: {exc}")
 
     def _scope(self, scope_key: str) -> _Keys:
-        keys = self._keys.get(scope_key)
-        if keys is None:
-            if not scope_key or "{" in scope_key or "}" in scope_key:
-                raise ValueError(f"a scope key must be non-empty and hold no braces: {scope_key!r}")
-            prefix = f"{self._prefix}:{{{scope_key}}}:"
-            keys = self._keys[scope_key] = _Keys(prefix, prefix + "entries", prefix + "hits", prefix + "origins")
-        return keys
+        # Built on every call, not kept: a long-lived store would otherwise hold one per scope it ever saw.
+        if not scope_key or "{" in scope_key or "}" in scope_key:
+            raise ValueError(f"a scope key must be non-empty and hold no braces: {scope_key!r}")
+        prefix = f"{self._prefix}:{{{scope_key}}}:"
+        return _Keys(prefix, prefix + "entries", prefix + "hits", prefix + "origins")
 
     async def _eval(self, script: _Script, keys: Sequence[_Arg], args: Sequence[_Arg]) -> Any:
         try:
@@ -496,7 +534,7 @@ class RedisStore:
     async def lookup(self, scope_key: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
         keys = self._scope(scope_key)
         field = node + digest
-        claim_ms = max(1, round(claim * 1000)) if claim > 0 else 0
+        claim_ms = _ms(claim) if claim > 0 else 0
         token = secrets.token_hex(8) if claim_ms else ""
         found = await self._eval(
             _LOOKUP, (keys.entries, keys.hits, f"{keys.prefix}claim:{field.hex()}"), (field, claim_ms, token)
@@ -545,13 +583,16 @@ class RedisStore:
 
     async def refresh(self, scope_key: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
         claim = f"{self._scope(scope_key).prefix}claim:{(node + digest).hex()}"
-        return bool(await self._eval(_REFRESH, (claim,), (token, max(1, round(ttl * 1000)))))
+        return bool(await self._eval(_REFRESH, (claim,), (token, _ms(ttl))))
 
     def _entry(self, blob: bytes) -> Entry:
+        return self._decode(_decode_entry, blob, "entry")
+
+    def _decode(self, decode: Callable[[bytes], T], blob: bytes, what: str) -> T:
         try:
-            return _decode_entry(blob)
-        except msgspec.DecodeError as exc:
-            raise StoreError(f"redis store at {self._where}: a corrupt entry: {exc}") from exc
+            return decode(blob)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise StoreError(f"redis store at {self._where}: a corrupt {what}: {exc}") from exc
 
     # -- snapshots ---------------------------------------------------------------------------------------
 
@@ -560,12 +601,12 @@ class RedisStore:
             return None
         keys = self._scope(scope_key)
         nonce = secrets.token_hex(8)
-        found = await self._eval(_LEASE, (keys.origins,), (keys.prefix, origin, ttl, nonce, *path))
+        found = await self._eval(_LEASE, (keys.origins,), (keys.prefix, origin, _seconds(ttl), nonce, *path))
         if found is None:
             return None
         node, snapshot_id = found
         # The token names what it leases, so `unlease(scope_key, token)` needs no table to find it.
-        return Lease(node, snapshot_id.decode(), f"{nonce}{node.hex()}{origin}")
+        return Lease(node, self._decode(bytes.decode, snapshot_id, "snapshot id"), f"{nonce}{node.hex()}{origin}")
 
     async def unlease(self, scope_key: str, token: str) -> None:
         nonce, node, origin = token[:16], token[16:48], token[48:]
@@ -583,7 +624,7 @@ class RedisStore:
             raise ValueError("add_snapshot needs the path to the snapshot's node, root first")
         keys = self._scope(scope_key)
         doomed = await self._eval(_ADD_SNAPSHOT, (keys.origins,), (keys.prefix, origin, budget, snapshot_id, *path))
-        return [sid.decode() for sid in doomed]
+        return [self._decode(bytes.decode, sid, "snapshot id") for sid in doomed]
 
     async def drop_snapshot(self, scope_key: str, origin: str, node: bytes, snapshot_id: str) -> None:
         keys = self._scope(scope_key)
@@ -594,7 +635,7 @@ class RedisStore:
         rows = await self._eval(
             _SNAPSHOTS, (keys.origins,), (keys.prefix,) if origin is None else (keys.prefix, origin)
         )
-        return _records(rows)
+        return self._records(rows)
 
     # -- tasks and export --------------------------------------------------------------------------------
 
@@ -602,7 +643,7 @@ class RedisStore:
         await self._command("HSETNX", self._tasks_key, info.scope_key, _encode(info))
 
     async def tasks(self) -> list[TaskInfo]:
-        return [_decode_task(blob) for blob in await self._command("HVALS", self._tasks_key)]
+        return [self._decode(_decode_task, blob, "task") for blob in await self._command("HVALS", self._tasks_key)]
 
     async def export(self, scope_key: str, limit: int = 10_000) -> GraphExport:
         keys = self._scope(scope_key)
@@ -611,10 +652,12 @@ class RedisStore:
             self._command("HGET", self._tasks_key, scope_key),
             self._eval(_EXPORT, (keys.origins, keys.entries, keys.hits), (keys.prefix, max(0, limit))),
         )
-        entries = export_entries((f[:16], f[16:], self._entry(blob), int(hits)) for f, blob, hits in rows)
-        return GraphExport(
-            _decode_task(info) if info is not None else None, entries, _records(snapshots), bool(truncated)
-        )
+        try:
+            entries = export_entries((f[:16], f[16:], self._entry(blob), int(hits)) for f, blob, hits in rows)
+        except ValueError as exc:
+            raise StoreError(f"redis store at {self._where}: a corrupt hit count: {exc}") from exc
+        task = self._decode(_decode_task, info, "task") if info is not None else None
+        return GraphExport(task, entries, self._records(snapshots), bool(truncated))
 
     async def forget(self, scope_key: str) -> None:
         """Delete a scope's entries, hit counts, snapshot records and its name: for scopes nobody will use
@@ -625,6 +668,24 @@ class RedisStore:
             self._eval(_FORGET, (keys.origins, keys.entries, keys.hits), (keys.prefix,)),
             self._command("HDEL", self._tasks_key, scope_key),
         )
+
+    async def ping(self) -> None:
+        """PING (every primary of a cluster): a server that is down, refuses our password or is stuck past the
+        socket timeout raises `StoreError`."""
+        options = {"target_nodes": RedisCluster.PRIMARIES} if self._cluster else {}
+        try:
+            await (await self._link()).client.execute_command("PING", **options)
+        except _ERRORS as exc:
+            raise self._error(exc) from exc
+
+    def _records(self, rows: Sequence[Sequence[Any]]) -> list[SnapshotRecord]:
+        try:
+            return [
+                SnapshotRecord(origin.decode(), node, sid.decode(), parent or None, float(used), bool(leased))
+                for origin, node, sid, parent, used, leased in rows
+            ]
+        except (ValueError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
+            raise StoreError(f"redis store at {self._where}: a corrupt snapshot record: {exc}") from exc
 
     async def close(self) -> None:
         link, self._connection = self._connection, None
@@ -637,8 +698,5 @@ class RedisStore:
         # Connections of another loop are closed when that loop ends (see `_close_at_loop_end`).
 
 
-def _records(rows: Sequence[Sequence[Any]]) -> list[SnapshotRecord]:
-    return [
-        SnapshotRecord(origin.decode(), node, sid.decode(), parent or None, float(used), bool(leased))
-        for origin, node, sid, parent, used, leased in rows
-    ]
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

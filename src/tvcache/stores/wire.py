@@ -42,6 +42,7 @@ MAX_WAIT = 3600.0  # seconds one wait request may block
 MAX_TTL = 7 * 86400.0
 MAX_PATH = 100_000  # nodes in a lease or snapshot path: deeper than any rollout
 MAX_EXPORT = 100_000
+MAX_COUNT = 1_000_000  # snapshots in one budget
 
 ScopeKey = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$", description="a task's root node id, in hex")]
 # 16 bytes in base64 are 22 characters, the last carrying 2 data bits, then "==". The pattern makes the
@@ -62,7 +63,7 @@ Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_TTL)]
 Path = Annotated[list[NodeId], msgspec.Meta(max_length=MAX_PATH, description="node ids, root first")]
 # JSON Schema calls 3.0 an integer too, so counts are numbers that must be whole; handlers take int() of them.
-Count = Annotated[float, msgspec.Meta(ge=0, le=1_000_000, multiple_of=1)]
+Count = Annotated[float, msgspec.Meta(ge=0, le=MAX_COUNT, multiple_of=1)]
 
 
 class WireEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
