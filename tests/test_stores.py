@@ -525,3 +525,30 @@ def test_http_store_ping_checks_the_server_its_token_and_its_store(tmp_path: Pat
         asyncio.run(main())
     finally:
         server.stop()
+
+
+def _use_in_child(store: SQLiteStore) -> None:
+    async def main() -> None:
+        assert await store.lookup(SCOPE.key, ROOT, D1) == entry(b"parent")
+        await store.record(SCOPE.key, ROOT, D2, entry(b"child"), None)
+
+    asyncio.run(main())
+
+
+def test_sqlite_store_carries_over_fork(tmp_path: Path) -> None:
+    """A store opened before a fork (a trainer forking rollout workers) works in the child, on a connection and
+    threads of the child's own, instead of waiting forever for a thread that does not exist there."""
+    import multiprocessing
+
+    store = SQLiteStore(tmp_path / "c.db", cache_mb=0)
+    asyncio.run(store.record(SCOPE.key, ROOT, D1, entry(b"parent"), None))
+    child = multiprocessing.get_context("fork").Process(target=_use_in_child, args=(store,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+
+    async def main() -> None:
+        assert await store.lookup(SCOPE.key, ROOT, D2) == entry(b"child")
+        await store.close()
+
+    asyncio.run(main())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import secrets
 import sqlite3
 import time
@@ -72,29 +73,43 @@ class _Connection:
 
     def __init__(self, path: Path, timeout: float, role: str, setup: Callable[[sqlite3.Connection], None]):
         self.path = path
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"tvcache-sqlite-{role}")
-
-        def connect() -> sqlite3.Connection:
-            db = sqlite3.connect(path, isolation_level=None, timeout=timeout)
-            try:
-                setup(db)
-            except BaseException:
-                db.close()
-                raise
-            return db
-
+        self._timeout = timeout
+        self._role = role
+        self._setup = setup
+        self._closed = False
+        self._start()
         try:
-            self._db = self._thread.submit(connect).result()
+            self._thread.submit(self._connected).result()
         except (OSError, sqlite3.Error) as exc:
             self._thread.shutdown()
             raise StoreError(f"cannot open the cache database {str(path)!r}: {exc}") from exc
-        self._closed = False
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"tvcache-sqlite-{self._role}")
+        self._db: sqlite3.Connection | None = None
+
+    def _connected(self) -> sqlite3.Connection:
+        """The connection, opened on first use, on the thread."""
+        if self._db is None:
+            db = sqlite3.connect(self.path, isolation_level=None, timeout=self._timeout)
+            try:
+                self._setup(db)
+            except BaseException:
+                db.close()
+                raise
+            self._db = db
+        return self._db
 
     async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         if self._closed:
             raise StoreError(f"the cache database {str(self.path)!r} is closed")
+        if self._pid != os.getpid():
+            # A forked child: the parent's thread does not exist here (work handed to it would wait forever),
+            # and SQLite forbids using a connection across fork. Start afresh.
+            self._start()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, fn, self._db)
+            return await asyncio.get_running_loop().run_in_executor(self._thread, lambda: fn(self._connected()))
         except sqlite3.Error as exc:  # "database is locked" after the busy timeout, a full disk, corruption...
             raise StoreError(f"cache database {str(self.path)!r}: {type(exc).__name__}: {exc}") from exc
 
