@@ -346,13 +346,13 @@ function renderGraph(graph) {
         el("svg:path", {
           class: "edge",
           d: `M${px},${py} H${px + elbow} V${y} H${x}`,
-          "stroke-width": Math.min(6, 1 + Math.log2(1 + n.in.hits)).toFixed(1),
+          "stroke-width": Math.min(4, 1 + Math.log2(1 + n.in.hits) / 2).toFixed(1),
           "data-hits": n.in.hits,
         }),
       );
       const left = px + elbow + 6;
       const text = fitText(shortCall(n.in.call), x - R_MAX - 6 - left, font);
-      if (text) group.append(el("svg:text", { class: "edge-label", x: left, y: y - 6 }, text));
+      if (text) group.append(el("svg:text", { class: "edge-label", x: left, y: y - 7 }, text));
       edges.append(group);
     }
     const hits = (n.in ? n.in.hits : 0) + n.memos.reduce((sum, m) => sum + m.hits, 0);
