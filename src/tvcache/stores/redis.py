@@ -483,6 +483,8 @@ class RedisStore:
             reply = await client.execute_command("CONFIG GET", "appendonly", **options)
         except ResponseError:  # CONFIG is refused or renamed here: nothing to learn, nothing to say
             reply = {}
+        except _ERRORS:  # a node unreachable now: the command that follows says so if it matters
+            return
         self._durability_checked = True
         replies = reply.values() if self._cluster else [reply]
         if any(_text(r.get("appendonly") or r.get(b"appendonly") or b"") == "no" for r in replies):
