@@ -22,7 +22,7 @@ pytest.importorskip("redis", reason="the redis package (redis-py) is not install
 import kv
 
 # redis_server and redis_cluster are fixtures (session-wide servers), asked for by name below.
-from redis_server import RedisServer, free_port, redis_cluster, redis_server, start_server  # noqa: F401
+from redis_server import RedisServer, free_port, redis_cluster, redis_server, start_cluster, start_server  # noqa: F401
 from test_oracle import check_against_oracle, kv_plan
 from tvcache import ToolCache
 from tvcache.graph import EDGE, Entry, Scope
@@ -438,3 +438,34 @@ def test_values_that_do_not_decode_and_wrong_types_are_store_errors(server: Redi
         await store.close()
 
     asyncio.run(main())
+
+
+def test_a_cluster_node_that_dies_fails_its_scopes_and_ping_with_store_errors() -> None:
+    """Scopes on the surviving nodes are served; those on the dead node, and ping (which asks every primary),
+    raise StoreError."""
+    doomed = start_cluster()
+    scopes = [Scope("ns", f"task-{i}", "fp").key for i in range(24)]
+
+    async def main() -> None:
+        store = RedisStore(doomed.url)
+        await store.ping()
+        for scope in scopes:
+            await store.record(scope, NODE, DIGEST, Entry(EDGE, scope.encode(), 0.1), None)
+        doomed.procs[1].kill()
+        doomed.procs[1].wait()
+        served, failed = 0, 0
+        for scope in scopes:
+            try:
+                assert await store.lookup(scope, NODE, DIGEST) == Entry(EDGE, scope.encode(), 0.1)
+                served += 1
+            except StoreError:
+                failed += 1
+        assert served and failed and served + failed == len(scopes)
+        with pytest.raises(StoreError):
+            await store.ping()
+        await store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        doomed.stop()
