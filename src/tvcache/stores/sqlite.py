@@ -7,7 +7,7 @@ nothing it recorded (WAL with synchronous=NORMAL survives process death; only a 
 transactions).
 
 Entries never change once written (first writer wins), so the ones read or written recently are also kept
-in memory (`EntryCache`, least recently used dropped first past `cache_mb`, 64 MB by default): a hit on one
+in memory (`EntryCache`, least recently used dropped first past `cache_mb`, 64 MiB by default): a hit on one
 costs no SQL and never leaves the event loop. Everything else runs on two threads of the store's own, each
 with its own connection: a writer, where each write is one transaction, and a reader, which WAL lets read
 while a write waits. So a write lock held by another process (for up to the busy `timeout`, after which the
@@ -203,7 +203,7 @@ class SQLiteStore(EmbeddedEntries):
     async def _put(self, scope_key: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
         key = node + digest
         known = self.cache.peek(key)
-        if known is not None:  # first writer wins, and that was this one
+        if known is not None:  # already recorded, and the first writer wins
             return known.entry
 
         def insert(db: sqlite3.Connection) -> Entry:
