@@ -94,8 +94,15 @@ def print_table(result: ReplayResult, console: Console | None = None) -> None:
             format_bytes(row["peak_memory_bytes"]),
         )
     console.print(table)
-    for line in [*_footnotes(result, summary), *_legend(summary["strategies"])]:
+    for line in _footnotes(result, summary):
         console.print(line, highlight=False)
+    legend = Table.grid(padding=(0, 1))  # a grid, so that long meanings wrap under themselves
+    legend.add_column(no_wrap=True)
+    legend.add_column()
+    for term, meaning in _legend(summary["strategies"]):
+        legend.add_row(f"  {term} =", meaning)
+    console.print("reading the table:")
+    console.print(legend, highlight=False)
 
 
 # What each strategy is, in the table's footer.
@@ -109,19 +116,25 @@ MEANINGS = {
 }
 
 
-def _legend(strategies: dict[str, Any]) -> list[str]:
+def _legend(strategies: dict[str, Any]) -> list[tuple[str, str]]:
     """How to read the table: the strategies in it, the two speedups, incorrect hits against wrong answers."""
-    lines = ["reading the table:", *(f"  {name} = {MEANINGS[name]}" for name in strategies if name in MEANINGS)]
-    lines.append("  executions = tool calls run for rollouts; +N replayed = calls run again to rebuild a sandbox state")
+    lines = [(name, MEANINGS[name]) for name in strategies if name in MEANINGS]
+    lines.append(("executions", "tool calls run for rollouts; +N replayed: calls run again to rebuild a sandbox state"))
     if "none" in strategies:
         lines.append(
-            "  speedup = total: none's total tool time / the strategy's (all the time rollouts waited for tools); "
-            "median: none's median call time / the strategy's (a typical call; a hit takes microseconds)"
+            (
+                "speedup",
+                "total: none's total tool time / the strategy's (all the time rollouts waited for tools); median: "
+                "none's median call time / the strategy's (a typical call; a hit takes microseconds)",
+            )
         )
         lines.append(
-            "  incorrect hits = hits whose answer differs from the uncached answer of the same call of the same "
-            "rollout; wrong answers (noted above where there are more) also count executed calls whose answer "
-            "differs because an earlier incorrect hit skipped a state change"
+            (
+                "incorrect hits",
+                "hits whose answer differs from the uncached answer of the same call of the same rollout; wrong "
+                "answers (noted above where there are more) also count executed calls whose answer differs because "
+                "an earlier incorrect hit skipped a state change",
+            )
         )
     return lines
 
