@@ -38,6 +38,7 @@ __all__ = [
     "SyncToolCache",
     "ToolCache",
     "ToolCall",
+    "ToolFunctions",
     "Tools",
     "WorkspaceSandboxes",
     "__version__",
@@ -50,6 +51,7 @@ _BACKENDS = {
     "PythonSandboxes": "tvcache.sandboxes.python",
     "RemoteSandboxes": "tvcache.sandboxes.remote",
     "SQLiteSandboxes": "tvcache.sandboxes.sqlite",
+    "ToolFunctions": "tvcache.functions",
     "WorkspaceSandboxes": "tvcache.sandboxes.workspace",
 }
 
