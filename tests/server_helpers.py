@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,30 +32,47 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m tvcache.server serve` in a subprocess; restartable on the same port and store."""
+    """`python -m tvcache.server serve` in a subprocess; restartable on the same port and store.
 
-    def __init__(self, tmp: Path, store: str = "memory://", token: str | None = None, *extra: str):
+    `prefix` runs it under another command (`ip netns exec NS`), listening on `host`."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        store: str = "memory://",
+        token: str | None = None,
+        *extra: str,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+    ):
         self.port = free_port()
         self.store = store
         self.token = token
         self.extra = extra
+        self.host = host
+        self.prefix = list(prefix)
         self.log_path = tmp / f"server-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def command(self) -> list[str]:
+        return ["serve", "--store", self.store]
+
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def token_url(self) -> str:
-        return f"http://:{self.token}@127.0.0.1:{self.port}" if self.token else self.url
+        return f"http://:{self.token}@{self.host}:{self.port}" if self.token else self.url
 
     def start(self) -> Server:
-        args = [sys.executable, "-m", "tvcache.server", "serve", "--store", self.store, "--port", str(self.port)]
+        args = [*self.prefix, sys.executable, "-m", "tvcache.server", *self.command()]
+        args += ["--host", self.host, "--port", str(self.port)]
         if self.token:
             args += ["--token", self.token]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([*args, *self.extra], stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([*args, *self.extra], stdout=log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy()
         return self
 
@@ -64,13 +82,20 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.05)
+            if self._healthy():
+                return
+            time.sleep(0.05)
         raise RuntimeError(f"server did not become healthy in {timeout} s:\n{self.log()}")
+
+    def _healthy(self) -> bool:
+        if self.prefix:  # another network namespace: ask from inside it
+            probe = f"import urllib.request as u; u.urlopen('{self.url}/healthz', timeout=1)"
+            return subprocess.run([*self.prefix, sys.executable, "-c", probe], capture_output=True).returncode == 0
+        try:
+            with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -98,6 +123,18 @@ class Server:
         self.stop()
 
 
+class SandboxServer(Server):
+    """`python -m tvcache.server sandbox-server SANDBOX...` in a subprocess (tests/ is on its PYTHONPATH, so
+    `python:server_helpers:sandboxes` names the kv world below)."""
+
+    def __init__(self, tmp: Path, sandbox: Sequence[str], token: str | None = None, *extra: str, **where: Any):
+        super().__init__(tmp, "", token, *extra, **where)
+        self.sandbox = list(sandbox)
+
+    def command(self) -> list[str]:
+        return ["sandbox-server", *self.sandbox]
+
+
 def request(
     server: Server,
     method: str,
@@ -107,7 +144,7 @@ def request(
     auth: bool = True,
 ) -> tuple[int, Any]:
     """One raw HTTP request. `body` is sent as is if bytes, else as JSON. Returns (status, decoded JSON or text)."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
     sent = dict(headers or {})
     if auth and server.token and "Authorization" not in sent:
         sent["Authorization"] = f"Bearer {server.token}"
@@ -147,6 +184,70 @@ def finish_client(proc: subprocess.Popen[str], timeout: float = 60.0) -> Any:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"client failed ({proc.returncode}):\n{err[-3000:]}"
     return json.loads(out.strip().splitlines()[-1])
+
+
+def read_until_closed(server: Server, chunks: Sequence[bytes] = (), pause: float = 0.0) -> bytes:
+    """Open a connection to `server`, send `chunks` `pause` seconds apart (until the server hangs up), and return
+    all the server sent before it closed the connection. A server that never closes it fails the caller after
+    60 s (the socket's timeout)."""
+    received = b""
+    with socket.create_connection((server.host, server.port), timeout=60) as sock:
+        for chunk in chunks:
+            try:
+                sock.sendall(chunk)
+            except OSError:  # closed on us: that is what the caller waits for
+                break
+            time.sleep(pause)
+        while True:
+            try:
+                data = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
+            received += data
+    return received
+
+
+def assert_slow_clients_are_cut_off(server: Server, path: str) -> None:
+    """For a server started with `--read-timeout 1`: connections that send nothing, send their headers a byte at
+    a time, or stop sending their body are closed (the last with a 408), and so is the connection of a request
+    refused before its body was read; the server still answers after."""
+    idle = [socket.create_connection((server.host, server.port), timeout=60) for _ in range(100)]
+    for sock in idle:  # each closed by the server, not by us: recv() sees the end of the stream
+        with sock:
+            assert sock.recv(1) == b""
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+    assert read_until_closed(server, [head + b"X-Slow: ", *[b"a"] * 40], pause=0.1) == b""
+    auth = f"Authorization: Bearer {server.token}\r\n".encode() if server.token else b""
+    answer = read_until_closed(server, [head + auth + b"Content-Length: 100\r\n\r\n{", b'"s'], pause=0.1)
+    assert answer.startswith(b"HTTP/1.1 408") and b"not received within 1 s" in answer
+    if server.token:
+        answer = read_until_closed(server, [head + b"Content-Length: 100\r\n\r\n{", *[b" "] * 30], pause=0.1)
+        assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer
+    assert request(server, "GET", "/healthz", auth=False)[0] == 200
+
+
+def _kv_with_extras() -> Any:
+    import kv
+
+    async def run(state: dict[str, str], call: Any) -> Any:
+        if call.tool == "big":
+            return "x" * int(call.args["bytes"])
+        if call.tool == "sleep":
+            await asyncio.sleep(float(call.args["seconds"]))
+            return "slept"
+        return await kv.run(state, call)
+
+    return run
+
+
+def sandboxes() -> Any:
+    """The kv world of kv.py, plus `big {"bytes"}` (an output that long) and `sleep {"seconds"}`: what a sandbox
+    server serves as `python:server_helpers:sandboxes`."""
+    import tvcache
+
+    return tvcache.PythonSandboxes(make=dict, run=_kv_with_extras(), fingerprint="kv-extras-v1")
 
 
 # -- client processes --------------------------------------------------------------------------------------

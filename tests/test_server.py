@@ -21,11 +21,13 @@ import pytest
 import kv
 import test_stores
 import tvcache
+from redis_server import start_server
 from server_helpers import (
     FLIGHT_CALLS,
     WRITER_NODE,
     WRITER_SCOPE,
     Server,
+    assert_slow_clients_are_cut_off,
     finish_client,
     request,
     spawn_client,
@@ -373,7 +375,13 @@ MALFORMED: list[tuple[str, str, Any, int, str]] = [
         400,
         "$.budget",
     ),
-    ("POST", "/v1/register", {"scope_key": "/tmp/x", "namespace": "n", "task": "t", "fingerprint": "f"}, 400, "$.scope_key"),
+    (
+        "POST",
+        "/v1/register",
+        {"scope_key": "/tmp/x", "namespace": "n", "task": "t", "fingerprint": "f"},
+        400,
+        "$.scope_key",
+    ),
     ("POST", "/v1/export", {"scope_key": KEY, "limit": 10**9}, 400, "$.limit"),
     ("GET", "/v1/lookup", None, 405, "takes POST"),
     ("POST", "/v1/tasks", {}, 405, "takes GET"),
@@ -405,6 +413,29 @@ def test_malformed_requests_change_nothing(server: Server) -> None:
     assert request(server, "GET", "/v1/tasks")[1] == []
     assert request(server, "POST", "/v1/export", {"scope_key": KEY})[1]["entries"] == []
     assert request(server, "POST", "/v1/snapshots", {"scope_key": KEY})[1] == []
+
+
+def test_slow_clients_are_cut_off(tmp_path: Path) -> None:
+    with Server(tmp_path, "memory://", TOKEN, "--read-timeout", "1") as server:
+        assert_slow_clients_are_cut_off(server, "/v1/lookup")
+
+
+def test_health_says_when_the_store_is_down(tmp_path: Path) -> None:
+    """/healthz pings the store: 200 while it answers, 503 with the reason while it is stuck or gone."""
+    redis = start_server()
+    try:
+        with Server(tmp_path, redis.url) as server:
+            assert request(server, "GET", "/healthz") == (200, {"status": "ok"})
+            redis.pause()
+            status, body = request(server, "GET", "/healthz")
+            assert status == 503 and "store" in body["error"]
+            redis.resume()
+            assert request(server, "GET", "/healthz") == (200, {"status": "ok"})
+            redis.stop()
+            status, body = request(server, "GET", "/healthz")
+            assert status == 503 and "store failed" in body["error"]
+    finally:
+        redis.stop()
 
 
 def test_metrics_health_and_openapi(server: Server) -> None:

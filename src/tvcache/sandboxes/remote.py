@@ -69,7 +69,7 @@ log = logging.getLogger("tvcache")
 T = TypeVar("T")
 
 RETRY_AFTER = 5.0  # seconds a server that failed to answer is tried last
-MARGIN = 15.0  # an execute's deadline: the server's call timeout, its 10 s grace, and this
+MARGIN = 5.0  # an execute's deadline: the server's own (its call timeout and a grace), and this
 MAX_REPLY = 64 << 20  # a 16 MiB output is ~22 MB as base64
 IDLE_SECONDS = 30.0  # idle pooled connections close before the server's keep-alive (75 s) would close them
 DEFAULT_CALL_TIMEOUT = 600.0  # until a server has told its own

@@ -43,7 +43,7 @@ SnapshotId = Annotated[
     ),
 ]
 Fingerprint = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-ToolName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+ToolName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024, pattern="^\\S+$", description="no whitespace")]
 
 
 def server_of(snapshot_id: str) -> str:
@@ -102,7 +102,7 @@ class InfoReply(msgspec.Struct, frozen=True):
     server: ServerId
     fingerprint: str
     backend: str
-    timeout: float  # seconds a call may take before the server gives up on it
+    timeout: float  # seconds after which the server gives up on a call (and closes its sandbox)
     lease: float  # seconds an unused sandbox lives before the server closes it
     live: int
     snapshots: int

@@ -34,17 +34,25 @@ from . import openapi
 from .api import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT, HTTPError, JSONApi, Receive
 from .counters import RequestCounters
 from .metrics import Metrics, request_metrics
-from .sandbox_pool import AtCapacity, BackendFailed, SandboxPool, UnknownId, WrongEnvironment
+from .sandbox_pool import AtCapacity, BackendFailed, CallRefused, SandboxPool, UnknownId, WrongEnvironment
 
 __all__ = ["SandboxApp"]
 
 _ERRORS = {
     "404": "No such sandbox or snapshot here: closed, expired, evicted, or made by another server process.",
     "409": "The client expects another starting state (fingerprint) than this server serves.",
+    "422": "The sandbox refused the call (its backend raised ValueError, TypeError or LookupError: an unknown "
+    "tool, a missing argument).",
     "429": "The server holds its maximum of live sandboxes; try another server or close some.",
     "502": "The sandbox backend failed (raised, or hung past the call timeout); the message says how.",
 }
-_REFUSALS: dict[type[Exception], int] = {UnknownId: 404, WrongEnvironment: 409, AtCapacity: 429, BackendFailed: 502}
+_REFUSALS: dict[type[Exception], int] = {
+    UnknownId: 404,
+    WrongEnvironment: 409,
+    CallRefused: 422,
+    AtCapacity: 429,
+    BackendFailed: 502,
+}
 _HEALTHY = HealthReply("ok")
 
 

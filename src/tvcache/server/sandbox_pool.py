@@ -7,7 +7,8 @@ a request can only name what this process made. Bounds, so a host survives its c
 - at most `max_sandboxes` are live at once (more is `AtCapacity`, and the client tries another server);
 - at most `max_snapshots` are kept; beyond, the least recently used is deleted. The graph may still name it:
   its restore then fails, and the rollout takes a shallower route, as with any lost snapshot;
-- a call that outlives the backend's own timeout by `GRACE` seconds closes its sandbox;
+- a call that outlives the backend's own timeout by `GRACE` seconds (at most: as much again for short
+  timeouts) is abandoned and its sandbox closed;
 - an output whose encoding is over `max_output` bytes is replaced by a note and marked an error (not cached).
 
 Calls in one sandbox run one at a time, in order of arrival.
@@ -38,6 +39,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "AtCapacity",
     "BackendFailed",
+    "CallRefused",
     "PoolCounts",
     "SandboxPool",
     "UnknownId",
@@ -66,6 +68,11 @@ class AtCapacity(RuntimeError):
 
 class WrongEnvironment(ValueError):
     """The client expects another starting state (fingerprint) than this server's."""
+
+
+class CallRefused(ValueError):
+    """The backend refused the call itself (it raised ValueError, TypeError or LookupError: an unknown tool,
+    a missing argument): the caller's mistake, not the machinery's."""
 
 
 class BackendFailed(RuntimeError):
@@ -126,10 +133,9 @@ class SandboxPool:
         self.max_sandboxes = max_sandboxes
         self.max_snapshots = max_snapshots
         self.max_output = max_output
-        backend_timeout = getattr(factory, "timeout", None)
-        self.timeout = float(
-            timeout or (backend_timeout if isinstance(backend_timeout, int | float) else DEFAULT_TIMEOUT)
-        )
+        own = getattr(factory, "timeout", None)  # the backend's per-call timeout, where it has one
+        self.timeout = float(timeout or (own if isinstance(own, int | float) and own > 0 else DEFAULT_TIMEOUT))
+        self.deadline = self.timeout + min(GRACE, self.timeout)  # the backend's own timeout should fire first
         self.counts = PoolCounts()
         self._live: dict[str, _Live] = {}
         self._opening = 0  # creates and restores under way, counted against max_sandboxes
@@ -166,13 +172,13 @@ class SandboxPool:
                 raise UnknownId(f"sandbox {sandbox} was closed")
             live.used = t0 = time.monotonic()
             try:
-                outcome = await asyncio.wait_for(live.box.execute(call), self.timeout + GRACE)
+                outcome = await asyncio.wait_for(live.box.execute(call), self.deadline)
             except TimeoutError:
                 self.counts.failures += 1
                 await self._drop(sandbox, live)
-                raise BackendFailed(
-                    f"the sandbox did not answer within {self.timeout + GRACE:g} s; it was closed"
-                ) from None
+                raise BackendFailed(f"the sandbox did not answer within {self.deadline:g} s; it was closed") from None
+            except (ValueError, TypeError, LookupError) as exc:
+                raise CallRefused(f"the sandbox refused the call: {type(exc).__name__}: {exc}") from exc
             except Exception as exc:
                 self.counts.failures += 1
                 raise BackendFailed(f"the sandbox raised {type(exc).__name__}: {exc}") from exc
@@ -264,7 +270,7 @@ class SandboxPool:
             server=self.server_id,
             fingerprint=self.fingerprint,
             backend=repr(self.factory)[:200],
-            timeout=self.timeout,
+            timeout=self.deadline,
             lease=self.lease,
             live=len(self._live),
             snapshots=len(self._snapshots),
