@@ -1,18 +1,15 @@
-"""Decisions made from measured costs: when to snapshot, where a miss should start from, what to evict.
+"""Decisions made from measured costs: when to snapshot, and by which route a miss reaches its state.
 
-Pure functions over numbers the cache measures online, so the policies can be tested and replaced on their
-own and every store evicts by the same rule.
+Pure functions over numbers the cache measures online, so they can be tested and replaced on their own.
+(What to evict is the stores' decision: `stores.eviction`.)
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .stores.base import SnapshotRecord
-
-__all__ = ["Costs", "Route", "cheapest_route", "choose_evictions", "should_snapshot", "worth_leasing"]
+__all__ = ["Costs", "Route", "cheapest_route", "should_snapshot", "worth_leasing"]
 
 
 class _Mean:
@@ -89,19 +86,3 @@ def cheapest_route(catch_up: float, fresh: float, restore: float | None) -> Rout
     if restore is not None:
         options.append((restore, Route.RESTORE))
     return min(options)[1]
-
-
-def choose_evictions(records: Iterable[SnapshotRecord], budget: int, added: bytes) -> list[SnapshotRecord]:
-    """The snapshots to evict so at most `budget` remain after adding the one at node `added`: never a
-    leased one; leaves before inner snapshots (an inner one serves every rollout passing through it), least
-    recently used first. The one just added goes last: it was paid for a moment ago, and at the end of a
-    chain it would otherwise be the only leaf."""
-    records = list(records)
-    excess = len(records) - budget
-    if excess <= 0:
-        return []
-    parents = {r.parent for r in records if r.parent is not None}
-    candidates: Sequence[SnapshotRecord] = sorted(
-        (r for r in records if not r.leased), key=lambda r: (r.node == added, r.node in parents, r.last_used)
-    )
-    return list(candidates[:excess])
