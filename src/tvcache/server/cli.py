@@ -1,4 +1,4 @@
-"""`tvcache serve` and `tvcache stats`: argparse wiring for the main CLI (and `python -m tvcache.server`).
+"""`tvcache serve`, `stats` and `sandbox-server`: argparse wiring for the main CLI (and `python -m tvcache.server`).
 
 Importing this module is cheap: the server (uvicorn, prometheus-client) loads only when a command runs.
 
@@ -15,37 +15,62 @@ import argparse
 import os
 from typing import Any
 
+from . import sandbox_cli
+
 __all__ = ["COMMANDS", "add_commands", "run_command"]
 
-COMMANDS = ("serve", "stats")
+COMMANDS = ("serve", "stats", "sandbox-server")
 
 
 def add_commands(subparsers: Any) -> None:
-    """Add `serve` and `stats` to an `ArgumentParser.add_subparsers()` object."""
+    """Add `serve`, `stats` and `sandbox-server` to an `ArgumentParser.add_subparsers()` object."""
     serve = subparsers.add_parser("serve", help="run the shared cache server (HTTP API, dashboard, /metrics)")
     serve.add_argument(
         "--store",
         default="memory://",
         help="memory:// (default), sqlite:///relative.db, sqlite:////absolute.db or redis://host:port/db",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=8470, help="port to bind (default 8470)")
-    serve.add_argument(
-        "--token", help="require `Authorization: Bearer TOKEN` on the API (default: the TVCACHE_TOKEN variable)"
-    )
-    serve.add_argument("--max-body-mb", type=float, help="request body limit in MiB (default 32)")
+    add_server_options(serve, 8470)
     serve.add_argument(
         "--max-wait",
         type=float,
         help="longest a wait request is held before the server answers 'ask again' (default 30 s)",
     )
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
+    sandbox_cli.add_command(subparsers)
 
     stats = subparsers.add_parser("stats", help="print a running server's stats as a table")
     stats.add_argument("url", help="the server, e.g. http://127.0.0.1:8470 (or http://:TOKEN@host:port)")
     stats.add_argument("--token", help="bearer token (default: from the URL or TVCACHE_TOKEN)")
     stats.add_argument("--json", action="store_true", help="print the raw stats as JSON instead")
+
+
+def add_server_options(parser: argparse.ArgumentParser, port: int) -> None:
+    """The options every server takes: where it listens, who may use it, how much it reads and logs."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=port, help=f"port to bind (default {port})")
+    parser.add_argument(
+        "--token", help="require `Authorization: Bearer TOKEN` on the API (default: the TVCACHE_TOKEN variable)"
+    )
+    parser.add_argument("--max-body-mb", type=float, help="request body limit in MiB (default 32)")
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        help="seconds a client may take to send a request's headers, and again its body (default 15)",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
+
+
+def server_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The limits of `add_server_options` that were given, as keyword arguments of `serve`/`serve_sandboxes`."""
+    if not 0 < args.port < 65536:
+        raise SystemExit(f"--port must be 1..65535, got {args.port}")
+    limits: dict[str, Any] = {}
+    if args.max_body_mb is not None:
+        limits["max_body"] = int(args.max_body_mb * 2**20)
+    if args.read_timeout is not None:
+        limits["read_timeout"] = args.read_timeout
+    return limits
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -59,17 +84,13 @@ def run_command(args: argparse.Namespace) -> int:
             raise SystemExit(f"tvcache serve: {exc}") from None
         from .run import _is_loopback, serve
 
-        if not 0 < args.port < 65536:
-            raise SystemExit(f"--port must be 1..65535, got {args.port}")
+        limits = server_limits(args)
         # Anyone who can reach an unauthenticated server can record entries, i.e. hand rollouts wrong answers.
         if not (args.token or os.environ.get("TVCACHE_TOKEN")) and not _is_loopback(args.host):
             raise SystemExit(
                 f"tvcache serve: --host {args.host} is reachable from other machines, so the server needs a token:"
                 " pass --token TOKEN or set TVCACHE_TOKEN (clients then use http://:TOKEN@host:port)"
             )
-        limits: dict[str, Any] = {}
-        if args.max_body_mb is not None:
-            limits["max_body"] = int(args.max_body_mb * 2**20)
         if args.max_wait is not None:
             limits["wait_cap"] = args.max_wait
         try:
@@ -99,6 +120,8 @@ def run_command(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             raise SystemExit(f"tvcache stats: {exc}") from None
         return 0
+    if args.command == "sandbox-server":
+        return sandbox_cli.run(args)
     raise ValueError(f"not a server command: {args.command!r}")
 
 
