@@ -298,8 +298,8 @@ function layout(graph, rootB64) {
     } else parent.memos.push(e);
   }
   for (const s of graph.snapshots) node(s.node).snapshots.push(s);
-  // A node whose parent is not in a truncated export is drawn as a root of its own.
-  const roots = [...nodes.values()].filter((n) => n.id === rootB64 || !n.in || !nodes.has(n.in.node));
+  // Besides the root, a state whose incoming edge is past a truncated export's limit is drawn as a root.
+  const roots = [...nodes.values()].filter((n) => n.id === rootB64 || !n.in);
   let rows = 0;
   let depth = 0;
   const place = (n, d) => {
@@ -338,7 +338,7 @@ function renderGraph(graph) {
   const dots = el("svg:g", { class: "nodes" });
   for (const n of nodes.values()) {
     const [x, y] = pos(n);
-    if (n.in && nodes.has(n.in.node)) {
+    if (n.in) {
       const [px, py] = pos(nodes.get(n.in.node));
       const group = el("svg:g", { class: "edge-group" });
       group.append(el("svg:title", {}, `${n.in.call}\n${n.in.hits} hits · ${fmtSeconds(n.in.seconds)} per execution`));
