@@ -411,3 +411,37 @@ def test_edge_labels_of_a_deep_graph_fit(populated: tuple[Server, dict[str, Any]
 
     drawn = asyncio.run(go())
     check_labels(drawn, graph)
+
+
+def test_call_labels_say_the_tool_and_its_main_argument(
+    populated: tuple[Server, dict[str, Any]], devtools: int
+) -> None:
+    """The page's own `shortCall` on stored call texts, cut at 200 characters as the core stores them."""
+    server, data = populated
+    long_command = "cd /testbed && python -m pytest tests/test_fields.py -k " + '\\"nested and not slow\\" ' * 20
+    cases = {
+        'sql {"query":"SELECT count(*) FROM Track"}': "sql: SELECT count(*) FROM Track",
+        'write_file {"content":"print(1)\\n","path":"/testbed/a.py"}': "write_file: /testbed/a.py content=print(1)",
+        'get_reservation_details {"reservation_id":"ZFA04Y"}': "get_reservation_details: ZFA04Y",
+        'search_direct_flight {"date":"2024-05-16","destination":"SEA","origin":"JFK"}': (
+            "search_direct_flight: 2024-05-16 destination=SEA origin=JFK"
+        ),
+        "now {}": "now",
+        'tmux "ls -la\\n"': "tmux: ls -la",
+        f'bash {{"command":"{long_command}"}}'[:200]: None,  # cut mid-string: checked below
+    }
+
+    async def go() -> dict[str, str]:
+        async with open_page(devtools, page_url(server, data["keys"]["kv"])) as page:
+            await page.wait_for("typeof shortCall === 'function'")
+            return dict(
+                await page.evaluate(f"Object.fromEntries({json.dumps(list(cases))}.map(c => [c, shortCall(c)]))")
+            )
+
+    labels = asyncio.run(go())
+    for call, expected in cases.items():
+        if expected is not None:
+            assert labels[call] == expected, (call, labels[call])
+    cut = labels[next(call for call, expected in cases.items() if expected is None)]
+    assert cut.startswith('bash: cd /testbed && python -m pytest tests/test_fields.py -k "nested and not slow"'), cut
+    assert cut.endswith("…") and "\\" not in cut and "{" not in cut, cut
