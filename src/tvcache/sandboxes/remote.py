@@ -46,11 +46,10 @@ from yarl import URL
 
 from ..calls import ToolCall
 from ..graph import decode_output
-from ..stores.wire import ErrorReply
 from .base import Outcome, SandboxError
 from .remote_wire import (
-    SANDBOX_ENDPOINTS,
     CreateRequest,
+    ErrorReply,
     ExecuteReply,
     ExecuteRequest,
     InfoReply,
@@ -103,7 +102,7 @@ class _Server:
 
     def __init__(self, url: str):
         self.url = url
-        self.paths = {e.name: URL(f"{url}{e.path}") for e in SANDBOX_ENDPOINTS}
+        self.paths = {name: URL(f"{url}/v1/{name}") for name in _OPERATIONS}
         self.id: str | None = None  # the server process's id, once it told us
         self.timeout = DEFAULT_CALL_TIMEOUT
         self.lease: float | None = None
@@ -389,6 +388,9 @@ class RemoteSandbox:
 
     def __repr__(self) -> str:
         return f"RemoteSandbox({self.id} on {self._server.url})"
+
+
+_OPERATIONS = ("create", "restore", "execute", "snapshot", "close", "delete", "renew", "info")
 
 
 def _parse(url: str) -> tuple[str, str | None]:

@@ -1,7 +1,9 @@
 """The sandbox server's wire format, shared by the client (`tvcache.sandboxes.remote`) and the server
-(`tvcache.server.sandbox_app`), which imports it from here: the client never loads the server.
+(`tvcache.server.sandbox_app`, where the operations are listed), which imports it from here: the client never
+loads the server.
 
-Every operation is one `POST /v1/<op>` (or a GET without arguments) with a JSON body; the reply is JSON.
+Every operation is one `POST /v1/<op>` (or a GET without arguments) with a JSON body; the reply is JSON, and
+a refusal is a 4xx or 5xx with `{"error": "..."}`.
 Tool outputs travel as `graph.encode_output` blobs (msgpack, base64 in JSON), so a remote sandbox answers
 with exactly the str, bytes or JSON value a local one would. Ids are made by the server: a sandbox id is
 random; a snapshot id starts with the id of the server process holding it (`<server>.<random>`), so a client
@@ -14,11 +16,9 @@ from typing import Annotated, Any
 
 import msgspec
 
-from ..stores.wire import Endpoint, HealthReply
-
 __all__ = [
-    "SANDBOX_ENDPOINTS",
     "CreateRequest",
+    "ErrorReply",
     "ExecuteReply",
     "ExecuteRequest",
     "InfoReply",
@@ -79,6 +79,10 @@ class RenewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sandboxes: Annotated[list[SandboxId], msgspec.Meta(max_length=MAX_RENEW)]
 
 
+class ErrorReply(msgspec.Struct, frozen=True):
+    error: str
+
+
 class SandboxReply(msgspec.Struct, frozen=True):
     """A new live sandbox, and how many the server now holds (for placing the next one)."""
 
@@ -128,21 +132,3 @@ class SnapshotInfo(msgspec.Struct, frozen=True):
 class Listing(msgspec.Struct, frozen=True):
     sandboxes: list[SandboxInfo]
     snapshots: list[SnapshotInfo]
-
-
-def _op(name: str, request: type[msgspec.Struct] | None, reply: Any, summary: str) -> Endpoint:
-    return Endpoint(name, "POST" if request is not None else "GET", f"/v1/{name}", request, reply, summary)
-
-
-SANDBOX_ENDPOINTS: list[Endpoint] = [
-    _op("create", CreateRequest, SandboxReply, "A new sandbox in the starting state."),
-    _op("restore", SnapshotRequest, SandboxReply, "A new sandbox in a snapshot's state (404: no such snapshot)."),
-    _op("execute", ExecuteRequest, ExecuteReply, "Execute one tool call in a sandbox; renews its lease."),
-    _op("snapshot", SandboxRequest, SnapshotReply, "Save a sandbox's state; the sandbox stays usable."),
-    _op("close", SandboxRequest, None, "Close a sandbox. Idempotent."),
-    _op("delete", SnapshotRequest, None, "Delete a snapshot. Idempotent."),
-    _op("renew", RenewRequest, list[str], "Renew the leases of live sandboxes; the ids that are gone."),
-    _op("info", None, InfoReply, "What this server serves: its id, fingerprint, limits and load."),
-    _op("sandboxes", None, Listing, "The live sandboxes and the snapshots, oldest first."),
-    Endpoint("healthz", "GET", "/healthz", None, HealthReply, "Liveness: 200 while the server runs.", auth=False),
-]

@@ -16,7 +16,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from ..calls import ToolCall
 from ..sandboxes.base import Sandboxes
 from ..sandboxes.remote_wire import (
-    SANDBOX_ENDPOINTS,
     CreateRequest,
     ExecuteReply,
     ExecuteRequest,
@@ -28,7 +27,7 @@ from ..sandboxes.remote_wire import (
     SnapshotReply,
     SnapshotRequest,
 )
-from ..stores.wire import HealthReply
+from ..stores.wire import Endpoint, HealthReply
 from ..version import __version__
 from . import openapi
 from .api import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT, HTTPError, JSONApi, Receive
@@ -36,7 +35,25 @@ from .counters import RequestCounters
 from .metrics import Metrics, request_metrics
 from .sandbox_pool import AtCapacity, BackendFailed, CallRefused, SandboxPool, UnknownId, WrongEnvironment
 
-__all__ = ["SandboxApp"]
+__all__ = ["SANDBOX_ENDPOINTS", "SandboxApp"]
+
+
+def _op(name: str, request: type[Any] | None, reply: Any, summary: str) -> Endpoint:
+    return Endpoint(name, "POST" if request is not None else "GET", f"/v1/{name}", request, reply, summary)
+
+
+SANDBOX_ENDPOINTS: list[Endpoint] = [
+    _op("create", CreateRequest, SandboxReply, "A new sandbox in the starting state."),
+    _op("restore", SnapshotRequest, SandboxReply, "A new sandbox in a snapshot's state (404: no such snapshot)."),
+    _op("execute", ExecuteRequest, ExecuteReply, "Execute one tool call in a sandbox; renews its lease."),
+    _op("snapshot", SandboxRequest, SnapshotReply, "Save a sandbox's state; the sandbox stays usable."),
+    _op("close", SandboxRequest, None, "Close a sandbox. Idempotent."),
+    _op("delete", SnapshotRequest, None, "Delete a snapshot. Idempotent."),
+    _op("renew", RenewRequest, list[str], "Renew the leases of live sandboxes; the ids that are gone."),
+    _op("info", None, InfoReply, "What this server serves: its id, fingerprint, limits and load."),
+    _op("sandboxes", None, Listing, "The live sandboxes and the snapshots, oldest first."),
+    Endpoint("healthz", "GET", "/healthz", None, HealthReply, "Liveness: 200 while the server runs.", auth=False),
+]
 
 _ERRORS = {
     "404": "No such sandbox or snapshot here: closed, expired, evicted, or made by another server process.",
