@@ -128,3 +128,12 @@ def test_tools_reject_a_bare_string() -> None:
     with pytest.raises(TypeError, match="collection of tool names"):
         Tools(read_only="read_file")
     assert Tools(read_only=["a"], uncacheable={"b"}).read_only == frozenset({"a"})
+
+
+def test_labels_shorten_each_long_value_so_every_argument_shows() -> None:
+    call = ToolCall("write_file", {"content": "x" * 5000, "path": "/testbed/a.py"})
+    label = call.label()
+    assert len(label) <= 200 and "/testbed/a.py" in label and "…" in label
+    short = ToolCall("sql", {"query": "SELECT 1"})
+    assert short.label() == short.key
+    assert len(ToolCall("t", "y" * 1000).label()) <= 210

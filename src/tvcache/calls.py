@@ -161,11 +161,27 @@ class ToolCall:
         """The call's identity as text: the tool name, a space, and the canonical JSON of its (keyed) args."""
         return self.canonical.decode()
 
+    def label(self, limit: int = 200) -> str:
+        """The call for people reading a graph: like `key`, but each long string value is shortened (its start,
+        then "…") so that every argument shows, rather than the first long one filling the whole budget."""
+        if len(self.canonical) <= limit:
+            return self.key
+        args = self.args
+        if isinstance(args, str):
+            return f"{self.tool} {_short(args, limit)!r}"
+        per_value = max(24, limit // max(1, len(args)))
+        shown = {k: _short(v, per_value) if isinstance(v, str) else v for k, v in args.items()}
+        return _short(f"{self.tool} {canonical_json(shown).decode()}", limit)
+
     def __repr__(self) -> str:
         return f"ToolCall({self.key[:120]!r})"
 
 
 _checked_names: set[str] = set()
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _check_name(tool: object) -> None:

@@ -229,7 +229,7 @@ class Rollout:
             if len(blob) > self._ctx.max_output_bytes:
                 self._ctx.stats.uncached += 1
             else:
-                await self._record(claim, Entry(kind, blob, seconds, call.key[:200]))
+                await self._record(claim, Entry(kind, blob, seconds, call.label()))
         if kind == EDGE:
             self._history.advance(call, blob, seconds)
             self._live.applied()

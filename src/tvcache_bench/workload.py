@@ -90,7 +90,7 @@ def combine(name: str, parts: Sequence[Workload], order: Sequence[str] | None = 
         sandboxes=lambda task: owner[task].sandboxes(task),
         tools=parts[0].tools,
         close=close,
-        notes="; ".join(f"{part.name}: {part.notes}" for part in parts if part.notes),
+        notes="; ".join(f"{part.name}: {part.notes.rstrip('.')}" for part in parts if part.notes),
     )
 
 
