@@ -1,0 +1,127 @@
+"""What the framework integration tests share: a scripted policy behind an OpenAI-compatible endpoint on loopback,
+and loading the examples they run.
+
+The scripted policy is the one stand-in the integration tests use: no language model runs on these machines, so
+this server plays one. Everything around it is real (the frameworks' own clients, their rollout machinery,
+tvcache's sandboxes).
+
+A policy is a list of plans; a plan is the list of turns one rollout takes, each turn a list of tool calls
+`(name, arguments as the JSON text a model emits)`, and after the last turn the model answers `final` text.
+The first request of a conversation (no assistant message yet) takes the next plan of its prompt, round robin,
+and the server marks its first assistant message `[plan k]`, so later requests of that conversation, which
+carry that message, continue the same plan. Which concurrent rollout gets which plan is up to the scheduler;
+tests compare results plan by plan.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import re
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from aiohttp import web
+
+Call = tuple[str, str]  # (tool name, arguments as JSON text, possibly malformed)
+Plan = Sequence[Sequence[Call]]
+
+MARK = re.compile(r"\[plan (\d+)\]")
+
+
+@dataclass
+class ScriptedLLM:
+    plans: Sequence[Plan]
+    final: Callable[[int], str] = lambda k: f"done with plan {k}"
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    _next: Counter[str] = field(default_factory=Counter)
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def respond(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        assistants = [m for m in messages if m.get("role") == "assistant"]
+        if not assistants:
+            prompt = json.dumps([m for m in messages if m.get("role") in ("system", "user")], sort_keys=True)
+            plan = self._next[prompt] % len(self.plans)
+            self._next[prompt] += 1
+        else:
+            found = MARK.search(str(assistants[0].get("content") or ""))
+            if found is None:
+                raise ValueError("a conversation without the [plan k] mark of its first answer")
+            plan = int(found.group(1))
+        turn = len(assistants)
+        steps = self.plans[plan]
+        content = f"[plan {plan}] turn {turn}" if turn < len(steps) else f"[plan {plan}] {self.final(plan)}"
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if turn < len(steps):
+            message["tool_calls"] = [
+                {"id": f"call_{next(self._ids)}", "type": "function", "function": {"name": n, "arguments": a}}
+                for n, a in steps[turn]
+            ]
+        return message
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        message = self.respond(body["messages"])
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        usage = {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20}
+        head = {"id": "scripted", "created": 0, "model": body.get("model", "scripted")}
+        if not body.get("stream"):
+            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+            return web.json_response({**head, "object": "chat.completion", "choices": [choice], "usage": usage})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        delta = dict(message)
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(delta["tool_calls"])]
+        chunks = [
+            {"index": 0, "delta": delta, "finish_reason": None},
+            {"index": 0, "delta": {}, "finish_reason": finish},
+        ]
+        for n, choice in enumerate(chunks):
+            chunk = {**head, "object": "chat.completion.chunk", "choices": [choice]}
+            if n == len(chunks) - 1:
+                chunk["usage"] = usage
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def __aenter__(self) -> ScriptedLLM:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/chat/completions", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}/v1"
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._runner.cleanup()
+
+
+def plan_of(text: str | None) -> int:
+    """The plan number a conversation's first assistant message carries."""
+    found = MARK.search(text or "")
+    assert found is not None, text
+    return int(found.group(1))
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    """Import `examples/<name>.py` as a module (examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"tvcache_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+    spec.loader.exec_module(module)
+    return module
