@@ -9,7 +9,8 @@ and `import tvcache` never load the benchmarks.
         common: [--batch B] [--concurrency C] [--strategies LIST] [--store URL] [--no-progress]
                 [--json OUT] [--charts DIR]
 
-    tvcache replay TRACES --sandbox workspace|sqlite|python:module:factory --base DIR [--setup CMD]
+    tvcache replay TRACES --sandbox workspace|docker|sqlite|python:module:factory --base DIR | --image IMAGE
+        [--setup CMD]
         [--tasks N] [--epochs E] [--timeout S] [--concurrency C] [--store URL]
         [--strategies none,naive,paper,tvcache] [--json OUT] [--charts DIR]
 """
@@ -48,6 +49,7 @@ BENCHES = {
     "sandbox": "workspace sandbox create / snapshot / restore / exec next to cp -a of the same base",
     "server": "the shared server's lookups/s and latency at 1, 8 and 32 clients and at 256 requests/s",
     "redis": "lookups/s through the Redis store at 1 and 32 clients",
+    "docker": "Docker containers next to the same image's layers in workspace sandboxes; creations/s by concurrency",
 }
 
 
@@ -70,10 +72,16 @@ def add_commands(subparsers: Any) -> None:
         "--sandbox",
         required=True,
         metavar="KIND",
-        help="workspace (--base DIR, tool bash), sqlite (--base FILE, tool sql), "
-        "or python:module:factory (factory() returns a Sandboxes; factory(base) with --base)",
+        help="workspace (--base DIR or --image IMAGE, tool bash), docker (--image IMAGE, tool bash), "
+        "sqlite (--base FILE, tool sql), or python:module:factory (factory() returns a Sandboxes; factory(base) "
+        "with --base)",
     )
     p.add_argument("--base", help="the directory or database every rollout starts from")
+    p.add_argument(
+        "--image",
+        help="(docker, workspace) the Docker image every rollout starts from: containers of it (docker), or its "
+        "layers as the sandbox's root (workspace); an OCI layout or `docker save` archive path also works there",
+    )
     p.add_argument("--setup", metavar="CMD", help="run once before any rollout: a shell command (workspace) or SQL")
     p.add_argument("--tasks", type=_positive_int, metavar="N", help="replay only the first N tasks of the file")
     p.add_argument("--epochs", type=_positive_int, default=1, metavar="E", help="replay the traces E times (default 1)")
@@ -152,6 +160,8 @@ def _check(args: argparse.Namespace, command: str) -> None:
             require("client", "this command", "aiohttp")
         if workload == "redis":
             require("redis", "this command", "redis")
+        if workload == "docker":
+            require("docker", "this command", "aiodocker")
     store = getattr(args, "store", None)
     if store is not None:
         from tvcache.stores import open_store
@@ -203,6 +213,10 @@ def _bench(args: argparse.Namespace) -> Any:
         from .micro import redis
 
         return redis.run()
+    if workload == "docker":
+        from .micro import docker
+
+        return asyncio.run(docker.main(getattr(args, "charts", None)))
     raise AssertionError(workload)
 
 
@@ -240,6 +254,7 @@ async def _replay(args: argparse.Namespace) -> dict[str, Any]:
         tasks=args.tasks,
         read_only=args.read_only,
         timeout=args.timeout,
+        image=args.image,
     )
     try:
         result = await replay_strategies(workload, args.strategies, options, store=args.store, namespace=args.namespace)

@@ -6,14 +6,18 @@ builders here make one from any trace file and a sandbox kind:
 
 - `sqlite`: `base` is a SQLite file; tool `sql` with args `{"query": str}`. `setup` is an SQL script run once
   on a private copy of the file before any rollout starts.
-- `workspace`: `base` is a directory; tool `bash` with args `{"command": str}`. `setup` is a shell command run
+- `workspace`: `base` is a directory, or `image` a Docker or OCI image whose layers become the sandbox's root
+  (`WorkspaceSandboxes.from_image`); tool `bash` with args `{"command": str}`. `setup` is a shell command run
   once in a sandbox of the base; its result is the state every rollout starts from.
+- `docker`: `image` is a Docker image; each sandbox a container of it (`DockerSandboxes`); tool `bash`, and
+  `setup` as for workspace.
 - `python:module:factory`: `module.factory()` returns a `Sandboxes`, or `module.factory(base)` when a base
   is given. Setup is the factory's business.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
 import inspect
@@ -103,14 +107,16 @@ async def load_workload(
     tasks: int | None = None,
     read_only: frozenset[str] = frozenset(),
     timeout: float | None = None,
+    image: str | None = None,
 ) -> Workload:
     """A workload replaying `traces_path` in one sandbox factory shared by all its tasks (each task still
     has its own scope in the cache, and every rollout starts from the factory's base state)."""
     traces = first_tasks(read_traces(traces_path), tasks)
     if not traces:
         raise ValueError(f"{traces_path} holds no rollouts")
-    factory, release = await sandboxes_from_spec(sandbox, base=base, setup=setup, timeout=timeout)
-    where = f"{sandbox} sandboxes" + (f" from {base}" if base else "") + (f" after setup {setup!r}" if setup else "")
+    factory, release = await sandboxes_from_spec(sandbox, base=base, setup=setup, timeout=timeout, image=image)
+    where = f"{sandbox} sandboxes" + (f" from {base}" if base else "") + (f" of image {image}" if image else "")
+    where += f" after setup {setup!r}" if setup else ""
     return Workload(
         name=Path(traces_path).stem,
         traces=traces,
@@ -122,13 +128,17 @@ async def load_workload(
 
 
 async def sandboxes_from_spec(
-    spec: str, *, base: str | Path | None, setup: str | None, timeout: float | None
+    spec: str, *, base: str | Path | None, setup: str | None, timeout: float | None, image: str | None = None
 ) -> tuple[Sandboxes, Callable[[], Awaitable[None]]]:
     """The factory a `--sandbox` value names, and a function releasing it."""
+    if image is not None and spec not in ("workspace", "docker"):
+        raise ValueError(f"--image applies to --sandbox workspace or docker, not {spec!r}")
+    if spec == "docker":
+        return await _docker(base, image, setup, timeout)
     if spec == "sqlite":
         return _sqlite(base, setup, timeout)
     if spec == "workspace":
-        return await _workspace(base, setup, timeout)
+        return await _workspace(base, setup, timeout, image)
     if spec.startswith("python:"):
         if setup:
             raise ValueError("--setup is not supported with python: sandboxes; do the setup in the factory")
@@ -171,17 +181,38 @@ def _sqlite(
 
 
 async def _workspace(
-    base: str | Path | None, setup: str | None, timeout: float | None
+    base: str | Path | None, setup: str | None, timeout: float | None, image: str | None = None
 ) -> tuple[Sandboxes, Callable[[], Awaitable[None]]]:
+    from tvcache.sandboxes.images import workspace_from_image
     from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
-    if base is None:
-        raise ValueError("--sandbox workspace needs --base DIR")
-    _check_dir(base)
+    if (base is None) == (image is None):
+        raise ValueError("--sandbox workspace needs --base DIR or --image IMAGE (one of them)")
     options: dict[str, Any] = {}
     if timeout is not None and "timeout" in inspect.signature(WorkspaceSandboxes).parameters:
         options["timeout"] = timeout
-    inner: Sandboxes = WorkspaceSandboxes(base, **options)
+    if image is not None:
+        inner: Sandboxes = await workspace_from_image(image, **options)
+    else:
+        assert base is not None
+        _check_dir(base)
+        inner = WorkspaceSandboxes(base, **options)
+    return await _with_setup(inner, setup)
+
+
+async def _docker(
+    base: str | Path | None, image: str | None, setup: str | None, timeout: float | None
+) -> tuple[Sandboxes, Callable[[], Awaitable[None]]]:
+    from tvcache.sandboxes.docker import DockerSandboxes
+
+    if image is None or base is not None:
+        raise ValueError("--sandbox docker needs --image IMAGE (and no --base)")
+    options: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    return await _with_setup(await asyncio.to_thread(DockerSandboxes, image, **options), setup)
+
+
+async def _with_setup(inner: Sandboxes, setup: str | None) -> tuple[Sandboxes, Callable[[], Awaitable[None]]]:
+    """`inner`, or `inner` after a bash `setup`, with the function releasing it."""
     if not setup:
         return inner, lambda: _close(inner)
     try:

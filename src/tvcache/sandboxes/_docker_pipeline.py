@@ -41,19 +41,23 @@ def is_transient(exc: BaseException) -> bool:
 def describe(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientConnectorError | FileNotFoundError | ConnectionRefusedError):
         return f"the Docker daemon is unreachable ({exc})"
+    if isinstance(exc, aiodocker.DockerError) and exc.status == 900:  # aiodocker's "cannot connect"
+        return f"the Docker daemon is unreachable ({exc.message})"
     if isinstance(exc, aiodocker.DockerError):
         return f"the Docker daemon answered {exc.status}: {exc.message}"
     return f"{type(exc).__name__}: {exc}"
 
 
 class Pipeline:
-    """At most `concurrency` heavy daemon operations at once (None: no limit); transient failures retried."""
+    """At most `concurrency` heavy daemon operations at once (None: no limit); transient failures retried up to
+    `retries` times (0 only to measure a bare daemon)."""
 
-    def __init__(self, concurrency: int | None):
+    def __init__(self, concurrency: int | None, retries: int = RETRIES):
         if concurrency is not None and not (isinstance(concurrency, int) and concurrency >= 1):
             raise ValueError(f"create_concurrency must be a positive int or None, got {concurrency!r}")
         self.concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency) if concurrency is not None else None
+        self.max_retries = retries
         self.retries = 0
         """How many operations were retried (a sign the cap is above the daemon's saturation point)."""
 
@@ -67,12 +71,12 @@ class Pipeline:
 
     async def run(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """Run `op` in a slot; retry transient failures; raise SandboxError saying `what` failed and why."""
-        for attempt in range(RETRIES + 1):
+        for attempt in range(self.max_retries + 1):
             try:
                 async with self._slot():
                     return await asyncio.wait_for(op(), REQUEST_TIMEOUT)
             except Exception as exc:
-                if attempt == RETRIES or not is_transient(exc):
+                if attempt == self.max_retries or not is_transient(exc):
                     raise SandboxError(f"docker: {what} failed: {describe(exc)}") from exc
                 self.retries += 1
                 await asyncio.sleep(FIRST_BACKOFF * 2**attempt * (0.5 + random.random()))

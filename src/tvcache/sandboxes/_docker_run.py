@@ -18,9 +18,11 @@ import aiodocker
 
 from ._rundir import _start_time
 
-__all__ = ["RUN_LABEL", "new_run", "reap_dead_runs", "remove_run"]
+__all__ = ["RUN_LABEL", "SNAPSHOT_REPO", "new_run", "reap_dead_runs", "remove_run"]
 
 RUN_LABEL = "tvcache.run"
+#: Snapshot images are tagged `tvcache-snapshot:<run>-<n>` (an untagged image is what `docker image prune` eats).
+SNAPSHOT_REPO = "tvcache-snapshot"
 OWNER_LABEL = "tvcache.owner"
 
 
@@ -66,6 +68,8 @@ async def remove_run(docker: aiodocker.Docker, run: str) -> None:
     # Newest first puts a child before its parent; commits within one second may still come out of order,
     # so a parent that still had a child is tried again in the next pass.
     images: list[dict[str, Any]] = await docker.images.list(all=True, filters=selector)
+    # Flattened snapshots come from an import, which takes no labels: they are tagged with the run instead.
+    images += await docker.images.list(filters={"reference": [f"{SNAPSHOT_REPO}:{run}-*"]})
     pending = sorted((i for i in images), key=lambda i: i.get("Created", 0), reverse=True)
     while pending:
         left = []

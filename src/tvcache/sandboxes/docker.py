@@ -75,7 +75,7 @@ from ..calls import ToolCall
 from . import _fastpaths as fast
 from ._docker_exec import kill_everything, run_bash
 from ._docker_pipeline import Pipeline, describe
-from ._docker_run import RUN_LABEL, new_run, reap_dead_runs, remove_run
+from ._docker_run import RUN_LABEL, SNAPSHOT_REPO, new_run, reap_dead_runs, remove_run
 from ._layers import is_empty, listing
 from ._shell import ShellState
 from .base import Outcome, SandboxError
@@ -86,8 +86,6 @@ __all__ = ["CREATE_CONCURRENCY", "TOOLS", "DockerSandbox", "DockerSandboxes", "b
 TOOLS = ("bash", "read_file", "write_file", "list_dir")
 #: Heavy daemon operations at once: the saturation point `tvcache bench docker` measured (see the README).
 CREATE_CONCURRENCY = 8
-#: Snapshot images are tagged `tvcache-snapshot:<run>-<n>` (an untagged image is what `docker image prune` eats).
-SNAPSHOT_REPO = "tvcache-snapshot"
 BUILD_REPO = "tvcache-build"
 #: PID 1 of every container: a shell blocked reading its (open, never written) stdin. A bash as PID 1 reaps
 #: orphans, and `kill -9 -1` inside the container cannot touch it.
@@ -500,14 +498,12 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
 
 
 async def _flatten(docker: aiodocker.Docker, container: Any, tag: str) -> str:
-    """Export the container's whole filesystem and import it as a one-layer image labelled like it.
+    """Export the container's whole filesystem and import it as a one-layer image tagged `tag` (an import takes
+    no labels: `remove_run` finds these by their tag, which names the run).
 
     aiodocker has no call for either endpoint, so this uses its request method directly."""
-    info = await container.show()
-    labels = info["Config"].get("Labels") or {}
-    changes = [f"LABEL {key}={value!r}".replace("'", '"') for key, value in labels.items()]
     async with docker._query(f"containers/{container.id}/export") as exported:
-        params = {"fromSrc": "-", "repo": SNAPSHOT_REPO, "tag": tag, "changes": changes}
+        params = {"fromSrc": "-", "repo": SNAPSHOT_REPO, "tag": tag}
         async with docker._query_chunked_post(
             "images/create", params=params, data=exported.content.iter_chunked(1 << 20)
         ) as imported:
@@ -568,9 +564,11 @@ class DockerSandbox(ManagedSandbox):
             await self._check_alive()
             raise SandboxError(f"docker: running a command failed: {describe(exc)}") from exc
 
-    async def _check_alive(self) -> None:
-        """Raise SandboxError (and remember why) when the container is no longer running."""
-        if self._dead is None:
+    async def _check_alive(self, settle: float = 0.0) -> None:
+        """Raise SandboxError (and remember why) when the container is no longer running. With `settle`, keep
+        looking that long: a container killed from outside takes the daemon a moment to report."""
+        deadline = asyncio.get_running_loop().time() + settle
+        while self._dead is None:
             try:
                 info = await self.container.show()
                 state = info.get("State") or {}
@@ -579,6 +577,9 @@ class DockerSandbox(ManagedSandbox):
                     self._dead = f"the container stopped ({why})"
             except Exception as exc:
                 self._dead = f"the container cannot be inspected: {describe(exc)}"
+            if asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.1)
         if self._dead is not None:
             raise SandboxError(f"docker sandbox {self.id[:12]} is unusable: {self._dead}")
 
@@ -602,7 +603,7 @@ class DockerSandbox(ManagedSandbox):
                     error = f"timed out after {self._f.timeout:g} s"
                     return Outcome({"output": result.output, "exit_code": None, "error": error}, None, True)
                 if not result.finished:
-                    await self._check_alive()  # raises if the container died under the command
+                    await self._check_alive(settle=2.0)  # raises if the container died under the command
                     error = "the command's shell was killed (by the command itself?)"
                     return Outcome({"output": result.output, "exit_code": None, "error": error}, None, True)
                 output: dict[str, Any] = {"output": result.output, "exit_code": result.exit_code}
@@ -651,7 +652,12 @@ class DockerSandbox(ManagedSandbox):
             await self._check_alive()
             if self._upper is not None and self._listing is None and is_empty(self._upper):
                 snap = _Snapshot(self._image, self._state, self._depth)  # nothing written: its own image
-            elif self._upper is not None and self._last_commit is not None and self._last_commit[0] == self._listing:
+            elif (
+                self._upper is not None
+                and self._last_commit is not None
+                and self._last_commit[0] == self._listing
+                and self._last_commit[1].image in self._f._images.ours  # not removed since
+            ):
                 snap = _Snapshot(self._last_commit[1].image, self._state, self._last_commit[1].depth)
             else:
                 image, depth = await self._f._commit(self.container, self._image, self._depth)

@@ -1,0 +1,527 @@
+"""Docker sandboxes and images as workspace layers, on a real Docker daemon with images built here.
+
+The oracle for every cached or forked answer is a fresh container of the same image executing the same
+history uncached. Fault tests kill containers from outside and stop a (second, private) daemon mid-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# docker_base, task_image and second_daemon are fixtures, asked for by name below.
+import tvcache
+from docker_env import (  # noqa: F401
+    SecondDaemon,
+    docker_base_fixture,
+    dockerfile_image,
+    labelled,
+    oci_layout_from_save,
+    second_daemon_fixture,
+    task_image_fixture,
+)
+from tvcache import SandboxError, ToolCall
+from tvcache.sandboxes import images
+from tvcache.sandboxes.docker import DockerSandbox, DockerSandboxes, build_image
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def bash(box: Any, command: str) -> dict[str, Any]:
+    outcome = await box.execute(ToolCall("bash", {"command": command}))
+    assert not outcome.error, outcome
+    assert isinstance(outcome.output, dict)
+    return outcome.output
+
+
+async def out(box: Any, command: str) -> str:
+    return str((await bash(box, command))["output"])
+
+
+# -- tools and state ----------------------------------------------------------------------------------------
+
+
+def test_tools_state_and_observed_changes(task_image: str) -> None:
+    async def main() -> None:
+        async with DockerSandboxes(task_image, max_output=200) as boxes:
+            box = await boxes.create()
+            assert await out(box, "pwd; echo $TASK; cat README; ls -A") == (
+                "/testbed\ndemo\nthe readme\nREADME\ndata\nreplaced\nsrc\n"
+            )
+            # stdout and stderr interleaved as written; the exit code is the command's.
+            result = await bash(box, "echo one; echo two >&2; echo three; exit 3")
+            assert result == {"output": "one\ntwo\nthree\n", "exit_code": 3}
+            # Read-only commands are memos without annotation; writes, cd and export are not.
+            reads = await box.execute(ToolCall("bash", {"command": "cat data/a.txt; ls /tmp"}))
+            assert reads.changed is False
+            for command in ("echo new > data/c.txt", "cd data", "export V=1", "unset V", "rm c.txt"):
+                assert (await box.execute(ToolCall("bash", {"command": command}))).changed is True, command
+            assert (await box.execute(ToolCall("bash", {"command": "ls"}))).changed is False
+            # The middle of a long output is cut, with a marker saying how much.
+            long = await out(box, "seq 1 1000")
+            assert long.startswith("1\n2\n") and long.endswith("999\n1000\n") and "bytes of output omitted" in long
+            # File tools, relative to the shell's working directory (data now).
+            write = await box.execute(ToolCall("write_file", {"path": "sub/new.txt", "content": "hello"}))
+            assert write.output == {"written": 5} and write.changed is True
+            read = await box.execute(ToolCall("read_file", {"path": "/testbed/data/sub/new.txt"}))
+            assert read.output == {"content": "hello"} and read.changed is False
+            assert (await box.execute(ToolCall("list_dir", {"path": "."}))).output == {
+                "entries": ["a.txt", "b.txt", "sub/"]
+            }
+            missing = await box.execute(ToolCall("read_file", {"path": "nope"}))
+            assert missing.output == {"error": "No such file or directory: nope"}
+            assert await out(box, "cat sub/new.txt; echo; hostname") == "hello\nsandbox\n"
+
+    run(main())
+
+
+def test_cwd_env_and_files_carry_into_forks(task_image: str) -> None:
+    async def main() -> None:
+        async with DockerSandboxes(task_image) as boxes:
+            box = await boxes.create()
+            await bash(box, "mkdir -p /work && cd /work && export A='x y' && unset TASK && echo 1 > f")
+            snap = await box.snapshot()
+            await bash(box, "echo 2 > f && cd / && export A=changed")
+            fork = await boxes.restore(snap)
+            assert await out(fork, 'pwd; echo "$A"; echo ${TASK-unset}; cat f') == "/work\nx y\nunset\n1\n"
+            assert await out(box, 'pwd; echo "$A"; cat /work/f') == "/\nchanged\n2\n"
+            # A snapshot of a sandbox that changed nothing since its image reuses the image: no commit.
+            fresh = await boxes.create()
+            images_before = boxes.image_count
+            again = await boxes.restore(await fresh.snapshot())
+            assert boxes.image_count == images_before
+            assert await out(again, "pwd; ls") == "/testbed\nREADME\ndata\nreplaced\nsrc\n"
+
+    run(main())
+
+
+def test_timeout_kills_the_command_and_keeps_the_container(task_image: str) -> None:
+    async def main() -> None:
+        async with DockerSandboxes(task_image, timeout=2) as boxes:
+            box = await boxes.create()
+            await bash(box, "cd data")
+            outcome = await box.execute(ToolCall("bash", {"command": "echo started; sleep 60 & sleep 50; echo no"}))
+            assert outcome.error and outcome.changed is None
+            assert isinstance(outcome.output, dict) and outcome.output["output"] == "started\n"
+            assert "timed out after 2 s" in outcome.output["error"]
+            # Usable, in the state before the failed call, with nothing of it left running.
+            procs = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done 2>/dev/null"
+            assert await out(box, f"pwd; {procs} | grep -c '^sleep'") == "/testbed/data\n0\n"
+
+    run(main())
+
+
+# -- isolation -------------------------------------------------------------------------------------------
+
+
+class _Listener:
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.sendall(b"hello from the host\n")
+            conn.close()
+
+
+def test_network_only_when_asked(task_image: str) -> None:
+    listener = _Listener()
+    interfaces = "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | sort"
+    # Loopback works inside: a server there (perl, the base image has no python) is reachable there.
+    loopback = textwrap.dedent("""\
+        perl -MIO::Socket::INET -e '$s = IO::Socket::INET->new(LocalAddr => "127.0.0.1:8765", Listen => 1,
+            ReuseAddr => 1) or die; print "up\\n"; STDOUT->flush; $c = $s->accept; print $c "inner\\n"' &
+        sleep 0.5; exec 3<>/dev/tcp/127.0.0.1/8765 && head -1 <&3""")
+
+    async def main() -> None:
+        async with DockerSandboxes(task_image) as boxes:
+            box = await boxes.create()
+            connect = f"exec 3<>/dev/tcp/127.0.0.1/{listener.port} && head -1 <&3"
+            assert (await bash(box, connect))["exit_code"] != 0  # the host's loopback is not its loopback
+            assert await out(box, interfaces) == "lo\n"
+            assert await out(box, loopback) == "up\ninner\n"
+        async with DockerSandboxes(task_image, network=True) as boxes:
+            first, second = await boxes.create(), await boxes.create()
+            assert await out(first, interfaces) == "eth0\nlo\n"
+            assert await out(second, interfaces) == "eth0\nlo\n"
+            # Both sandboxes share one pooled network: one network for the run, not one per sandbox.
+            assert len(labelled("network", boxes.run)) == 1
+        assert labelled("network", boxes.run) == []
+
+    try:
+        run(main())
+    finally:
+        listener.sock.close()
+
+
+def test_rm_rf_fork_bombs_and_leftover_processes_stay_inside(task_image: str) -> None:
+    async def main() -> None:
+        async with DockerSandboxes(task_image, max_processes=64, timeout=20) as boxes:
+            box, neighbour = await boxes.create(), await boxes.create()
+            await bash(box, "echo kept > data/c.txt")
+            snap = await box.snapshot()
+            await bash(box, "rm -rf --no-preserve-root / 2>/dev/null; echo gone")
+            broken = await box.execute(ToolCall("bash", {"command": "ls /testbed"}))
+            assert broken.error and "exec failed" in str(broken.output)  # its bash is gone: nothing to exec
+            assert await out(neighbour, "cat data/a.txt README") == "a\nthe readme\n"
+            assert await out(await boxes.restore(snap), "cat data/c.txt") == "kept\n"
+            bomb = await neighbour.execute(ToolCall("bash", {"command": "b() { b | b & }; b; sleep 2; echo done"}))
+            assert isinstance(bomb.output, dict) and "Resource temporarily unavailable" in bomb.output["output"]
+            # Background processes end with their command: nothing runs between calls.
+            await bash(neighbour, "sleep 4321 & disown; (setsid sleep 4321 &); echo started")
+            procs = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done 2>/dev/null"
+            assert await out(neighbour, procs + " | grep -c '^sleep 432[1]'") == "0\n"
+
+    run(main())
+    assert not [p for p in Path("/proc").glob("[0-9]*") if b"4321" in _cmdline(p)]
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+# -- the oracle invariant ------------------------------------------------------------------------------
+
+FILES = ["a", "b", "data/a.txt", "data/b.txt", "d/e", "README"]
+DIRS = ["/testbed", "/testbed/data", "/testbed/d", "/tmp/w"]
+
+
+def random_command(rng: random.Random) -> str:
+    """A shell step: file writes, appends, deletes, renames, cd, export, or a read."""
+    f, g = rng.choice(FILES), rng.choice(FILES)
+    word = rng.choice(["x", "y", "zz", "a b"])
+    n = rng.randrange(3)
+    return rng.choice(
+        [
+            f"mkdir -p $(dirname {f}) && echo '{word}' > {f}",
+            f"echo '{word}' >> {f} 2>&1",
+            f"rm -f {f}",
+            f"rm -rf {rng.choice(['data', 'd', 'src', 'replaced'])}",
+            f"mv {f} {g} 2>&1; echo $?",
+            f"mkdir -p {rng.choice(DIRS)} && cd {rng.choice(DIRS)}",
+            f"export V{n}='{word}'",
+            f"unset V{n}",
+            f"cat {f} 2>&1",
+            "pwd; env | grep ^V | sort",
+            "find /testbed /tmp/w 2>/dev/null | sort",
+            f"wc -c {f} 2>&1; ls -1A",
+        ]
+    )
+
+
+def rollout_plan(seed: int, rollouts: int, length: int) -> list[list[str]]:
+    """Rollouts sharing a prefix, then diverging (as GRPO samples of one task do)."""
+    rng = random.Random(seed)
+    shared = [random_command(rng) for _ in range(length)]
+    plan = []
+    for _ in range(rollouts):
+        cut = rng.randrange(length + 1)
+        plan.append(shared[:cut] + [random_command(rng) for _ in range(length - cut)])
+    return plan
+
+
+async def uncached(oracle: DockerSandboxes, commands: list[str]) -> list[dict[str, Any]]:
+    box = await oracle.create()
+    try:
+        return [await bash(box, c) for c in commands]
+    finally:
+        await box.close()
+
+
+async def cached_rollouts_wrong(boxes: Any, oracle: DockerSandboxes, plan: list[list[str]], rounds: int) -> int:
+    """Run `plan` through a ToolCache `rounds` times (concurrent rollouts, random pauses); count the answers
+    that differ from the oracle's fresh uncached containers."""
+    rng = random.Random(len(plan))
+    expected = [await uncached(oracle, commands) for commands in plan]
+    wrong = 0
+    async with tvcache.ToolCache(snapshot_budget=4) as cache:
+
+        async def rollout(commands: list[str]) -> list[Any]:
+            got = []
+            async with cache.rollout("task", boxes) as r:
+                for command in commands:
+                    await asyncio.sleep(rng.choice([0, 0.002, 0.01]))
+                    got.append((await r.call("bash", {"command": command})).output)
+            return got
+
+        for _ in range(rounds):
+            results = await asyncio.gather(*(rollout(c) for c in plan))
+            for want, got in zip(expected, results, strict=True):
+                wrong += sum(a != b for a, b in zip(got, want, strict=True))
+        stats = cache.stats()
+        assert stats["hits"] > 0 and stats["snapshots"] + stats["replays"] > 0, stats
+    return wrong
+
+
+def test_cache_results_equal_fresh_containers(task_image: str) -> None:
+    async def main() -> int:
+        async with DockerSandboxes(task_image) as boxes, DockerSandboxes(task_image) as oracle:
+            return await cached_rollouts_wrong(boxes, oracle, rollout_plan(7, 4, 6), rounds=2)
+
+    assert run(main()) == 0
+
+
+def test_from_image_results_equal_fresh_containers(task_image: str) -> None:
+    async def main() -> int:
+        async with await images.workspace_from_image(task_image) as boxes, DockerSandboxes(task_image) as oracle:
+            return await cached_rollouts_wrong(boxes, oracle, rollout_plan(11, 5, 8), rounds=2)
+
+    assert run(main()) == 0
+
+
+def test_snapshot_chains_are_flattened(task_image: str) -> None:
+    depth = int(subprocess.check_output(["docker", "image", "inspect", "-f", "{{len .RootFS.Layers}}", task_image]))
+
+    async def main() -> None:
+        async with DockerSandboxes(task_image, max_layers=depth + 2) as boxes:
+            box = await boxes.create()
+            history = []
+            for i in range(5):  # commits 1 and 2 add layers, 3 flattens, 4 and 5 add again
+                history.append(f"echo {i} >> log; cd /tmp/w{i} 2>/dev/null || mkdir /tmp/w{i}; rm -f data/a.txt")
+                await bash(box, history[-1])
+                box = await boxes.restore(await box.snapshot())
+            assert boxes._snapshots[next(reversed(boxes._snapshots))].depth <= depth + 2
+            got = await out(box, "pwd; cat log; ls -A data /tmp")
+            expected = (await uncached(boxes, [*history, "pwd; cat log; ls -A data /tmp"]))[-1]["output"]
+            assert got == expected == "/testbed\n0\n1\n2\n3\n4\n/tmp:\nw0\nw1\nw2\nw3\nw4\n\ndata:\nb.txt\n"
+
+    run(main())
+
+
+# -- scale: the creation pipeline ------------------------------------------------------------------------
+
+
+def test_64_concurrent_creates_and_forks_succeed_and_leave_nothing(task_image: str) -> None:
+    async def main() -> str:
+        boxes = DockerSandboxes(task_image)
+        parent = await boxes.create()
+        await bash(parent, "echo forked > data/f")
+        snap = await parent.snapshot()
+        created = await asyncio.gather(*(boxes.create() for _ in range(64)))
+        forks = await asyncio.gather(*(boxes.restore(snap) for _ in range(64)))
+        answers = await asyncio.gather(*(out(box, "cat data/f 2>&1 | head -c 6; echo") for box in forks))
+        assert set(answers) == {"forked\n"}
+        assert len({box.id for box in [*created, *forks]}) == 128
+        assert len(labelled("container", boxes.run)) == 129
+        await boxes.close()
+        return boxes.run
+
+    run_id = run(main())
+    assert labelled("container", run_id) == labelled("image", run_id) == labelled("network", run_id) == []
+
+
+# -- faults --------------------------------------------------------------------------------------------
+
+
+def test_container_killed_mid_call_is_an_error_and_the_rollout_goes_on(task_image: str) -> None:
+    async def main() -> None:
+        async with DockerSandboxes(task_image) as boxes, tvcache.ToolCache() as cache:
+            async with cache.rollout("t", boxes) as r:
+                await r.call("bash", {"command": "echo 1 > n"})
+                victim = next(iter(boxes._live))
+                assert isinstance(victim, DockerSandbox)
+
+                async def kill_soon() -> None:
+                    await asyncio.sleep(1.0)
+                    await asyncio.to_thread(subprocess.run, ["docker", "kill", victim.id], check=True)
+
+                killer = asyncio.ensure_future(kill_soon())
+                with pytest.raises(SandboxError, match="container stopped"):
+                    await r.call("bash", {"command": "echo 2 >> n; sleep 30; echo 3 >> n"})
+                await killer
+                # Nothing was cached for the killed call; the rollout continues in a rebuilt container.
+                assert (await r.call("bash", {"command": "cat n"})).output == {"output": "1\n", "exit_code": 0}
+
+    run(main())
+
+
+def test_daemon_stopped_mid_run_gives_clear_errors(second_daemon: SecondDaemon, docker_base: str) -> None:
+    async def main() -> None:
+        boxes = DockerSandboxes(docker_base, docker_url=second_daemon.url, timeout=30)
+        async with tvcache.ToolCache() as cache:
+            async with cache.rollout("t", boxes) as r:
+                assert (await r.call("bash", {"command": "echo 1 > /n; cat /n"})).output["output"] == "1\n"
+                call = asyncio.ensure_future(r.call("bash", {"command": "sleep 20; echo late"}))
+                await asyncio.sleep(1.0)
+                await asyncio.to_thread(second_daemon.stop)
+                with pytest.raises(SandboxError, match="docker"):
+                    await call
+                with pytest.raises(SandboxError, match=r"unreachable|docker"):
+                    await r.call("bash", {"command": "cat /n"})
+            assert cache.stats()["hits"] == 0  # nothing after the stop was answered from a wrong state
+        await boxes.close()
+
+    run(main())
+
+
+# -- cleanup --------------------------------------------------------------------------------------------
+
+
+def test_close_removes_everything_and_snapshot_images_are_refcounted(task_image: str) -> None:
+    async def main() -> str:
+        boxes = DockerSandboxes(task_image, network=True)
+        box = await boxes.create()
+        await bash(box, "echo 1 > one")
+        first = await box.snapshot()
+        child = await boxes.restore(first)
+        await bash(child, "echo 2 > two")
+        second = await child.snapshot()
+        assert boxes.image_count == 2
+        await boxes.delete(first)  # still the parent of the second and the image of `child`
+        assert boxes.image_count == 2
+        await child.close()
+        await boxes.delete(second)
+        assert boxes.image_count == 0
+        assert len(labelled("image", boxes.run)) == 0
+        await boxes.restore(await box.snapshot())
+        assert labelled("container", boxes.run) and labelled("image", boxes.run) and labelled("network", boxes.run)
+        await boxes.close()
+        with pytest.raises(SandboxError, match="closed"):
+            await boxes.create()
+        return boxes.run
+
+    run_id = run(main())
+    assert labelled("container", run_id) == labelled("image", run_id) == labelled("network", run_id) == []
+
+
+def test_a_killed_process_is_reaped_by_the_next_start(task_image: str) -> None:
+    crash = textwrap.dedent(f"""\
+        import asyncio, os
+        from tvcache import ToolCall
+        from tvcache.sandboxes.docker import DockerSandboxes
+        async def main():
+            boxes = DockerSandboxes({task_image!r}, network=True)
+            box = await boxes.create()
+            await box.execute(ToolCall("bash", {{"command": "echo x > x"}}))
+            await boxes.restore(await box.snapshot())
+            print(boxes.run, flush=True)
+            os._exit(1)  # no cleanup at all
+        asyncio.run(main())
+        """)
+    proc = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=120)
+    run_id = proc.stdout.strip()
+    assert run_id and labelled("container", run_id) and labelled("image", run_id), proc.stderr
+
+    async def next_start() -> None:
+        async with DockerSandboxes(task_image) as boxes:
+            await boxes.create()
+
+    run(next_start())
+    assert labelled("container", run_id) == labelled("image", run_id) == labelled("network", run_id) == []
+
+
+# -- images, builds, errors ------------------------------------------------------------------------------
+
+
+def test_build_is_cached_by_content(docker_base: str, tmp_path: Path) -> None:
+    image = dockerfile_image(docker_base, "RUN echo built > /built\nCOPY . /context\n", tmp_path / "ctx")
+    started = subprocess.check_output(["docker", "images", "-q", "--no-trunc"], text=True).split()
+    assert run(build_image(tmp_path / "ctx")) == image  # no second build
+    assert subprocess.check_output(["docker", "images", "-q", "--no-trunc"], text=True).split() == started
+    (tmp_path / "ctx" / "extra.txt").write_text("changes the context\n")
+    assert run(build_image(tmp_path / "ctx")) != image
+
+    async def main() -> None:
+        async with await DockerSandboxes.build(tmp_path / "ctx") as boxes:
+            assert await out(await boxes.create(), "cat /built") == "built\n"
+
+    run(main())
+    with pytest.raises(ValueError, match="no Dockerfile"):
+        run(build_image(tmp_path))
+
+
+def test_from_image_reads_daemon_layers_docker_save_and_oci_layouts(task_image: str, tmp_path: Path) -> None:
+    listing = "pwd; echo $TASK; ls -A . replaced; cat README"
+    expected = "/testbed\ndemo\n.:\nREADME\ndata\nreplaced\nsrc\n\nreplaced:\ny\nthe readme\n"
+
+    async def answer(image: Any) -> tuple[str, tuple[str, ...]]:
+        root = await images.image_root(image)
+        async with await images.workspace_from_image(image) as boxes:
+            return await out(await boxes.create(), listing), root.layers
+
+    got, layers = run(answer(task_image))
+    assert got == expected and all(layer.startswith("/var/lib/docker/overlay2/") for layer in layers)
+    saved = tmp_path / "image.tar"
+    subprocess.run(["docker", "save", "-o", str(saved), task_image], check=True)
+    cache = tmp_path / "layers"
+    images_cache, images.LAYER_CACHE = images.LAYER_CACHE, cache
+    try:
+        got, layers = run(answer(saved))
+        assert got == expected and all(layer.startswith(str(cache)) for layer in layers)
+        whiteouts = [p for layer in layers for p in Path(layer).rglob("*") if p.name.startswith(".wh.")]
+        assert whiteouts == []  # converted to overlayfs whiteouts
+        oci = oci_layout_from_save(saved, tmp_path / "oci")
+        assert run(answer(oci))[0] == expected
+    finally:
+        images.LAYER_CACHE = images_cache
+
+
+def test_from_image_streams_docker_save_without_layer_dirs(task_image: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(images, "_layer_dirs", lambda info: None)  # as on a daemon without overlay2
+    root = run(images.image_root(task_image))
+    assert all("/layers/" in layer for layer in root.layers)
+    assert root.env["TASK"] == "demo" and root.cwd == "/testbed"
+
+
+def test_bad_input_gets_clear_errors(task_image: str, docker_base: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no image"):
+        DockerSandboxes("tvcache-no-such-image:latest")
+    with pytest.raises(ValueError, match="timeout"):
+        DockerSandboxes(task_image, timeout=0)
+    with pytest.raises(SandboxError, match="unreachable"):
+        DockerSandboxes(task_image, docker_url="unix:///nonexistent/docker.sock")
+    user_image = dockerfile_image(docker_base, "RUN useradd -m agent\nUSER agent\n", tmp_path / "user")
+    with pytest.raises(ValueError, match="runs as user 'agent'"):
+        run(images.workspace_from_image(user_image))
+    with pytest.raises(ValueError, match="does not exist"):
+        run(images.workspace_from_image(tmp_path / "missing"))
+
+    async def main() -> None:
+        async with DockerSandboxes(user_image) as boxes:
+            box = await boxes.create()
+            assert await out(box, "whoami; pwd") == "agent\n/\n"
+            with pytest.raises(ValueError, match="tools bash, read_file"):
+                await box.execute(ToolCall("python", {"code": "1"}))
+            with pytest.raises(ValueError, match="'command'"):
+                await box.execute(ToolCall("bash", {"cmd": "ls"}))
+            with pytest.raises(SandboxError, match="does not exist"):
+                await boxes.restore("nope")
+
+    run(main())
+
+
+def test_fingerprint_is_the_image_and_the_settings(task_image: str, docker_base: str) -> None:
+    def fingerprint(image: str, **kw: Any) -> str:
+        boxes = DockerSandboxes(image, **kw)
+        try:
+            return boxes.fingerprint
+        finally:
+            run(boxes.close())
+
+    same = fingerprint(task_image)
+    assert fingerprint(task_image) == same
+    assert fingerprint(task_image, network=True) != same
+    assert fingerprint(task_image, env={"X": "1"}) != same
+    assert fingerprint(docker_base) != same
