@@ -228,6 +228,19 @@ def assert_slow_clients_are_cut_off(server: Server, path: str) -> None:
     assert request(server, "GET", "/healthz", auth=False)[0] == 200
 
 
+def assert_schemathesis_finds_nothing(server: Server, workdir: Path) -> None:
+    """Fuzz every operation of `server` from its OpenAPI document: no 5xx, every status documented, every reply
+    valid against its schema, invalid input rejected, valid input accepted, auth enforced. Settings beyond
+    these (a `schemathesis.toml`) go in `workdir`, where schemathesis also keeps its state."""
+    command = [sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json", "--checks", "all"]
+    command += ["--max-examples", "5", "--phases", "coverage,fuzzing", "--request-timeout", "10"]
+    if server.token:
+        command += ["-H", f"Authorization: Bearer {server.token}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=workdir)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert not [line for line in server.log().splitlines() if '"status": 5' in line]
+
+
 def _kv_with_extras() -> Any:
     import kv
 

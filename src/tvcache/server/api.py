@@ -15,7 +15,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +70,8 @@ class _Route:
 
 class JSONApi:
     """The ASGI app of a server. Subclasses define one `_<name>` handler per endpoint; they may override
-    `startup`/`shutdown` (the lifespan), `_failure` (how an exception from a handler is answered) and `_page`
-    (paths outside the API)."""
+    `_background` (jobs that run while the server does), `shutdown` (what to release when it stops), `_failure`
+    (how an exception from a handler is answered) and `_page` (paths outside the API)."""
 
     _known_pages: frozenset[str] = frozenset({"/openapi.json", "/metrics"})  # latency is kept per known path
 
@@ -107,8 +107,9 @@ class JSONApi:
 
     # -- hooks -------------------------------------------------------------------------------------------
 
-    async def startup(self) -> None:
-        pass
+    def _background(self) -> list[Coroutine[Any, Any, None]]:
+        """Jobs to run from start to shutdown (sampling counters, expiring leases)."""
+        return []
 
     async def shutdown(self) -> None:
         pass
@@ -132,16 +133,16 @@ class JSONApi:
         # Websockets are not spoken here; returning without accepting makes the server refuse them.
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
+        jobs: list[asyncio.Task[None]] = []
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                try:
-                    await self.startup()
-                except Exception as exc:
-                    await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
-                    return
+                jobs = [asyncio.create_task(job) for job in self._background()]
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                for job in jobs:
+                    job.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
                 await self.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

@@ -7,9 +7,9 @@ never names a file: static files are read from the package once, at start, into 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.resources
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 from ..graph import Entry
@@ -108,16 +108,11 @@ class CacheApp(JSONApi):
             for path, (name, kind) in _STATIC.items()
         }
         self._known_pages = self._known_pages | set(_STATIC)
-        self._sampler: asyncio.Task[None] | None = None
 
-    async def startup(self) -> None:
-        self._sampler = asyncio.create_task(self._sample())
+    def _background(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._sample()]
 
     async def shutdown(self) -> None:
-        if self._sampler is not None:
-            self._sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sampler
         await self.store.close()
 
     async def _sample(self) -> None:

@@ -6,9 +6,7 @@ and how it is bounded is `sandbox_pool.SandboxPool`'s. This module maps one onto
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -100,16 +98,11 @@ class SandboxApp(JSONApi):
         super().__init__(
             SANDBOX_ENDPOINTS, counters, metrics, document, token=token, max_body=max_body, read_timeout=read_timeout
         )
-        self._reaper: asyncio.Task[None] | None = None
 
-    async def startup(self) -> None:
-        self._reaper = asyncio.create_task(self.pool.reap())
+    def _background(self) -> list[Coroutine[Any, Any, None]]:
+        return [self.pool.reap()]
 
     async def shutdown(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
         await self.pool.close_all()
 
     def _failure(self, exc: Exception) -> HTTPError:
