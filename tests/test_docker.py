@@ -337,22 +337,25 @@ def test_64_concurrent_creates_and_forks_succeed_and_leave_nothing(task_image: s
 
 def test_container_killed_mid_call_is_an_error_and_the_rollout_goes_on(task_image: str) -> None:
     async def main() -> None:
-        async with DockerSandboxes(task_image) as boxes, tvcache.ToolCache() as cache:
-            async with cache.rollout("t", boxes) as r:
-                await r.call("bash", {"command": "echo 1 > n"})
-                victim = next(iter(boxes._live))
-                assert isinstance(victim, DockerSandbox)
+        async with (
+            DockerSandboxes(task_image) as boxes,
+            tvcache.ToolCache() as cache,
+            cache.rollout("t", boxes) as r,
+        ):
+            await r.call("bash", {"command": "echo 1 > n"})
+            victim = next(iter(boxes._live))
+            assert isinstance(victim, DockerSandbox)
 
-                async def kill_soon() -> None:
-                    await asyncio.sleep(1.0)
-                    await asyncio.to_thread(subprocess.run, ["docker", "kill", victim.id], check=True)
+            async def kill_soon() -> None:
+                await asyncio.sleep(1.0)
+                await asyncio.to_thread(subprocess.run, ["docker", "kill", victim.id], check=True)
 
-                killer = asyncio.ensure_future(kill_soon())
-                with pytest.raises(SandboxError, match="container stopped"):
-                    await r.call("bash", {"command": "echo 2 >> n; sleep 30; echo 3 >> n"})
-                await killer
-                # Nothing was cached for the killed call; the rollout continues in a rebuilt container.
-                assert (await r.call("bash", {"command": "cat n"})).output == {"output": "1\n", "exit_code": 0}
+            killer = asyncio.ensure_future(kill_soon())
+            with pytest.raises(SandboxError, match="container stopped"):
+                await r.call("bash", {"command": "echo 2 >> n; sleep 30; echo 3 >> n"})
+            await killer
+            # Nothing was cached for the killed call; the rollout continues in a rebuilt container.
+            assert (await r.call("bash", {"command": "cat n"})).output == {"output": "1\n", "exit_code": 0}
 
     run(main())
 
