@@ -132,6 +132,8 @@ class StrategyRun:
     hit_samples: list[float] = field(default_factory=list)  # the seconds of the hits among them
     epoch_calls: list[int] = field(default_factory=list)
     epoch_hits: list[int] = field(default_factory=list)
+    tool_calls: dict[str, int] = field(default_factory=dict)  # per tool name: calls answered or failed
+    tool_hits: dict[str, int] = field(default_factory=dict)  # per tool name: hits among them
     wall_seconds: float = 0.0
     peak_memory_bytes: int | None = None
     stats: dict[str, float] = field(default_factory=dict)
@@ -148,6 +150,13 @@ class StrategyRun:
 
     def epoch_hit_rates(self) -> list[float]:
         return [h / c if c else 0.0 for h, c in zip(self.epoch_hits, self.epoch_calls, strict=True)]
+
+    def tool_hit_rates(self) -> dict[str, dict[str, Any]]:
+        """Per tool, in order of first call: calls, hits and hit rate (the published paper's Figure 12)."""
+        return {
+            tool: {"calls": calls, "hits": self.tool_hits.get(tool, 0), "hit_rate": self.tool_hits.get(tool, 0) / calls}
+            for tool, calls in self.tool_calls.items()
+        }
 
     def summary(self, baseline: StrategyRun | None) -> dict[str, Any]:
         ordered = sorted(self.samples)
@@ -188,6 +197,7 @@ class StrategyRun:
             "speedup_median": speedup_median,
             "peak_memory_bytes": self.peak_memory_bytes,
             "epoch_hit_rates": self.epoch_hit_rates(),
+            "tool_hit_rates": self.tool_hit_rates(),
             "stats": self.stats,
             "wrong_examples": self.examples,
             "first_error": self.first_error,
@@ -395,6 +405,8 @@ class _Engine:
         run.calls += 1
         run.epoch_calls[epoch] += 1
         run.samples.append(seconds)
+        tool = self.workload.traces[index].calls[call].tool
+        run.tool_calls[tool] = run.tool_calls.get(tool, 0) + 1
         self.advance()
         if result is None or result.error:
             run.errors += 1
@@ -404,6 +416,7 @@ class _Engine:
         if result.hit:
             run.hits += 1
             run.epoch_hits[epoch] += 1
+            run.tool_hits[tool] = run.tool_hits.get(tool, 0) + 1
             run.hit_samples.append(seconds)
         answer = _digest(result.output)
         if self.oracle_out is not None:

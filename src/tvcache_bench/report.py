@@ -15,7 +15,16 @@ from rich.table import Table
 
 from .replay import ReplayResult, StrategyRun, percentile
 
-__all__ = ["format_bytes", "format_seconds", "print_table", "wide_console", "write_charts", "write_json"]
+__all__ = [
+    "format_bytes",
+    "format_seconds",
+    "print_table",
+    "print_tool_table",
+    "wide_console",
+    "write_charts",
+    "write_json",
+    "write_tool_chart",
+]
 
 # One colour per strategy, the same in every chart.
 COLORS = {"none": "#7f7f7f", "naive": "#d62728", "paper": "#1f77b4", "tvcache": "#2ca02c"}
@@ -294,3 +303,64 @@ def _tool_time_chart(result: ReplayResult, path: Path) -> Path | None:
 
 def _short_seconds(seconds: float) -> str:
     return format_seconds(seconds).replace(" ", "")
+
+
+# -- per-tool hit rates (opt-in: a workload whose tools differ in kind prints them) ----------------------------
+
+
+def _tools(result: ReplayResult) -> list[str]:
+    """Every tool called, in order of first call."""
+    return list(dict.fromkeys(tool for run in result.strategies.values() for tool in run.tool_calls))
+
+
+def print_tool_table(result: ReplayResult, console: Console | None = None) -> None:
+    """Hit rate per tool and strategy (hits / calls), the published paper's Figure 12."""
+    console = console or wide_console()
+    runs = [r for r in result.strategies.values() if r.name != "none"]
+    if not runs:
+        return
+    table = Table(title=f"{result.workload}: hit rate per tool", title_justify="left")
+    table.add_column("tool")
+    table.add_column("calls", justify="right")
+    for run in runs:
+        table.add_column(run.name, justify="right")
+    for tool in _tools(result):
+        rates = []
+        for run in runs:
+            calls, hits = run.tool_calls.get(tool, 0), run.tool_hits.get(tool, 0)
+            rates.append(f"{hits / calls:.1%}" if calls else "-")
+        table.add_row(tool, str(max(r.tool_calls.get(tool, 0) for r in runs)), *rates)
+    console.print(table)
+
+
+def write_tool_chart(result: ReplayResult, directory: str | Path) -> list[Path]:
+    """`<workload>-tool-hit-rate.png`: grouped bars of hit rate per tool and strategy; [] without data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result.strategies.values() if r.name != "none" and r.tool_calls]
+    tools = _tools(result)
+    if not runs or not tools:
+        return []
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{result.workload.replace('/', '_')}-tool-hit-rate.png"
+    width = 0.8 / len(runs)
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.3 * len(tools) + 1.5), 3.8), dpi=150)
+    for i, run in enumerate(runs):
+        rates = [100 * run.tool_hits.get(t, 0) / run.tool_calls[t] if run.tool_calls.get(t) else 0.0 for t in tools]
+        xs = [k + (i - (len(runs) - 1) / 2) * width for k in range(len(tools))]
+        bars = ax.bar(xs, rates, width, label=LABELS.get(run.name, run.name), color=COLORS.get(run.name))
+        ax.bar_label(bars, fmt="%.0f", fontsize=6, padding=1)
+    ax.set_xticks(range(len(tools)), [t.replace("_", "_\n", 1) for t in tools], fontsize=7)
+    ax.set_ylabel("hit rate (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title(f"{result.workload}: hit rate per tool, all epochs", fontsize=10)
+    ax.legend(fontsize=7, frameon=False, loc="upper left", ncols=len(runs))
+    _style(ax)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return [path]
