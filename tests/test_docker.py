@@ -29,6 +29,7 @@ from docker_env import (  # noqa: F401
     second_daemon_fixture,
     task_image_fixture,
 )
+from sandbox_oracle import check_snapshots_against_fresh_replay
 from tvcache import SandboxError, ToolCall
 from tvcache.sandboxes import images
 from tvcache.sandboxes.docker import DockerSandbox, DockerSandboxes, build_image
@@ -289,6 +290,20 @@ def test_from_image_results_equal_fresh_containers(task_image: str) -> None:
             return await cached_rollouts_wrong(boxes, oracle, rollout_plan(11, 5, 8), rounds=2)
 
     assert run(main()) == 0
+
+
+def test_snapshots_restores_and_rewinds_equal_a_fresh_replay(task_image: str) -> None:
+    rng = random.Random(3)
+    steps: list[tuple[str, Any]] = []
+    for _ in range(14):
+        kind = rng.choice(["call", "call", "call", "restore", "rewind"])
+        steps.append((kind, ToolCall("bash", {"command": random_command(rng)}) if kind == "call" else rng.randrange(9)))
+
+    async def main() -> None:
+        async with DockerSandboxes(task_image) as boxes:
+            await check_snapshots_against_fresh_replay(boxes, steps)
+
+    run(main())
 
 
 def test_snapshot_chains_are_flattened(task_image: str) -> None:

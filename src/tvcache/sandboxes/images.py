@@ -102,9 +102,11 @@ def _tar_flags(head: bytes) -> list[str]:
     return []
 
 
-def unpack_layer(source: IO[bytes], diff_id: str, cache: Path = LAYER_CACHE) -> Path:
-    """The directory holding the layer tarball `source` unpacked (once per `diff_id`, cached), whiteouts
-    converted. Safe against concurrent unpacking by other processes: the first rename wins."""
+def unpack_layer(source: IO[bytes], diff_id: str, cache: Path | None = None) -> Path:
+    """The directory holding the layer tarball `source` unpacked (once per `diff_id`, cached in `cache`, by
+    default LAYER_CACHE), whiteouts converted. Safe against concurrent unpacking by other processes: the first
+    rename wins."""
+    cache = cache or LAYER_CACHE
     dest = cache / diff_id.replace(":", "-")
     if dest.is_dir():
         return dest
