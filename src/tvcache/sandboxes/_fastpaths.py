@@ -4,6 +4,11 @@ Paths are resolved as the sandbox would resolve them: relative to the shell's wo
 absolute symlinks and `..` confined to the sandbox's root by openat2(RESOLVE_IN_ROOT). They run in this
 process through the mounted root, so they cost microseconds instead of a namespace set-up.
 
+They run with this process's privileges, so they touch nothing but regular files and directories: a path is
+first opened with O_PATH (which opens nothing), its type checked, and only a regular file is then reopened
+for reading or writing through /proc/self/fd, the very inode that was checked. A device node, FIFO or socket
+(also behind a symlink) is refused with "Not a regular file", without ever being opened.
+
 Each returns a JSON-able dict: {"content": str}, {"written": int} or {"entries": [names, dirs with "/"]},
 or {"error": "<reason>: <path>"} for an ordinary failure (a missing file is an answer, not a sandbox fault).
 """
@@ -36,22 +41,37 @@ def _open_root(root: str) -> int:
     return os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
+class _NotRegular(Exception):
+    def __init__(self, answer: dict[str, Any]):
+        self.answer = answer
+
+
+def _reopen(path_fd: int, path: str, flags: int) -> int:
+    """Open the inode behind an O_PATH descriptor with `flags`, if it is a regular file; closes `path_fd`."""
+    try:
+        mode = os.fstat(path_fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise _NotRegular({"error": f"Is a directory: {path}"})
+        if not stat.S_ISREG(mode):
+            raise _NotRegular({"error": f"Not a regular file: {path}"})
+        return os.open(f"/proc/self/fd/{path_fd}", flags | os.O_CLOEXEC)
+    finally:
+        os.close(path_fd)
+
+
 def read_file(root: str, cwd: bytes, path: str, limit: int) -> dict[str, Any]:
     """The file's text; beyond `limit` bytes its middle is cut out as in bash output."""
     rfd = _open_root(root)
     try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer.
-        fd = openat2(rfd, os.fsdecode(_sandbox_path(cwd, path)), os.O_RDONLY | os.O_NONBLOCK)
+        fd = _reopen(openat2(rfd, os.fsdecode(_sandbox_path(cwd, path)), os.O_PATH), path, os.O_RDONLY)
+    except _NotRegular as refused:
+        return refused.answer
     except OSError as exc:
         return _error(exc, path)
     finally:
         os.close(rfd)
     try:
         st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            return {"error": f"Is a directory: {path}"}
-        if not stat.S_ISREG(st.st_mode):
-            return {"error": f"Not a regular file: {path}"}  # a device or FIFO could stream forever
         if st.st_size > limit:
             half = limit // 2
             head = os.pread(fd, half, 0)
@@ -86,12 +106,22 @@ def _ensure_parents(rfd: int, parent: bytes) -> None:
 
 
 def write_file(root: str, cwd: bytes, path: str, content: str) -> dict[str, Any]:
-    target = _sandbox_path(cwd, path)
+    target = os.fsdecode(_sandbox_path(cwd, path))
     data = content.encode(errors="surrogateescape")
     rfd = _open_root(root)
     try:
-        _ensure_parents(rfd, posixpath.dirname(target))
-        fd = openat2(rfd, os.fsdecode(target), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o644)
+        _ensure_parents(rfd, posixpath.dirname(os.fsencode(target)))
+        try:
+            fd = _reopen(openat2(rfd, target, os.O_PATH), path, os.O_WRONLY | os.O_TRUNC)
+        except FileNotFoundError:
+            # Nothing there (or a dangling symlink, whose target it creates, inside the root): a new file,
+            # which no process could have made into anything else meanwhile (none runs between calls).
+            fd = openat2(rfd, target, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                return {"error": f"Not a regular file: {path}"}
+    except _NotRegular as refused:
+        return refused.answer
     except OSError as exc:
         return _error(exc, path)
     finally:

@@ -48,6 +48,14 @@ class Mounter(ABC):
     def bind(self, source: str, target: str, *, readonly: bool) -> None: ...
 
     @abstractmethod
+    def tmpfs(self, target: str, *, size: int | None, inodes: int | None) -> None:
+        """Mount a tmpfs of at most `size` bytes and `inodes` files on `target` (None: no such limit)."""
+
+    @abstractmethod
+    def move(self, source: str, target: str) -> None:
+        """Move the mount at `source` to `target`."""
+
+    @abstractmethod
     def detach(self, target: str) -> None:
         """Lazily unmount `target` and everything mounted below it."""
 
@@ -100,10 +108,16 @@ class HostMounter(Mounter):
         )
         if len(data) >= 4096:
             raise SandboxError(f"overlay options for {target} exceed mount(2)'s 4 KiB page; merge layers sooner")
-        sc.mount("overlay", target, "overlay", 0, data)
+        sc.mount("overlay", target, "overlay", sc.MS_NOSUID | sc.MS_NODEV, data)
 
     def bind(self, source: str, target: str, *, readonly: bool) -> None:
         sc.bind_mount(source, target, readonly=readonly)
+
+    def tmpfs(self, target: str, *, size: int | None, inodes: int | None) -> None:
+        sc.tmpfs_mount(target, size=size, inodes=inodes)
+
+    def move(self, source: str, target: str) -> None:
+        sc.mount(source, target, None, sc.MS_MOVE)
 
     def detach(self, target: str) -> None:
         sc.umount(target, sc.MNT_DETACH)
@@ -177,6 +191,12 @@ class NamespaceMounter(Mounter):
     def bind(self, source: str, target: str, *, readonly: bool) -> None:
         self._request(["bind", source, target, readonly])
 
+    def tmpfs(self, target: str, *, size: int | None, inodes: int | None) -> None:
+        self._request(["tmpfs", target, size, inodes])
+
+    def move(self, source: str, target: str) -> None:
+        self._request(["move", source, target])
+
     def detach(self, target: str) -> None:
         self._request(["detach", target])
 
@@ -218,6 +238,10 @@ def _serve() -> None:
                 mounter.overlay(*args)
             elif op == "bind":
                 mounter.bind(args[0], args[1], readonly=args[2])
+            elif op == "tmpfs":
+                mounter.tmpfs(args[0], size=args[1], inodes=args[2])
+            elif op == "move":
+                mounter.move(args[0], args[1])
             elif op == "detach":
                 mounter.detach(args[0])
             elif op == "netns":

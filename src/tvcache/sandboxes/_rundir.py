@@ -1,9 +1,10 @@
-"""Per-process run directories (and pids cgroups), and the reaping of those a crashed process left behind.
+"""Per-process run directories, and the reaping of those a crashed process left behind.
 
 Every `WorkspaceSandboxes` keeps all it creates under `<tmp>/tvcache-workspace/run-<pid>-<token>/`, whose
-`owner` file records the creating process's pid and start time. Each new factory first reaps the run dirs
-whose owner is gone (pid dead or reused): it detaches every mount below them, removes them and their
-cgroups. Mounts made through a user-namespace helper vanish with the helper, so only files remain there.
+`owner` file records the creating process's pid and start time and whose `cgroups` file lists its cgroup
+directories. Each new factory first reaps the run dirs whose owner is gone (pid dead or reused): it detaches
+every mount below them, removes them and their cgroups. Mounts made through a user-namespace helper vanish
+with the helper, so only files remain there.
 """
 
 from __future__ import annotations
@@ -12,16 +13,15 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
 import time
 from pathlib import Path
 
 from . import _syscalls as sc
+from ._cgroups import remove_tree
 
-__all__ = ["PidsCgroup", "RunDir", "reap_stale"]
+__all__ = ["RunDir", "reap_stale"]
 
 ROOT_NAME = "tvcache-workspace"
-CGROUP_NAME = "tvcache-workspace"
 
 
 def _start_time(pid: int) -> str | None:
@@ -75,8 +75,8 @@ def reap_stale(tmp: Path) -> int:
             continue
         with contextlib.suppress(OSError):
             _detach_all(run_dir)
+        _remove_cgroups(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
-        PidsCgroup.remove_run(run_dir.name)
         reaped += 1
     return reaped
 
@@ -92,90 +92,24 @@ class RunDir:
         start = _start_time(os.getpid())
         (self.path / "owner").write_text(f"{os.getpid()} {start}\n")
 
+    def record_cgroups(self, dirs: list[Path]) -> None:
+        """Where this run's cgroups are, for whoever removes the run dir (this process or a reaper)."""
+        (self.path / "cgroups").write_text("".join(f"{d}\n" for d in dirs))
+
     def remove(self) -> None:
-        _detach_all(self.path)
-        shutil.rmtree(self.path, ignore_errors=True)
-        PidsCgroup.remove_run(self.name)
+        try:
+            _detach_all(self.path)
+        finally:
+            _remove_cgroups(self.path)
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _pids_hierarchy() -> Path | None:
-    """Where the pids controller is mounted (cgroup v1), or a cgroup2 root delegating it; None if neither."""
+def _remove_cgroups(run_dir: Path) -> None:
     try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
+        dirs = (run_dir / "cgroups").read_text().split("\n")
     except OSError:
-        return None
-    v2 = None
-    for line in lines:
-        fields = line.split()
-        sep = fields.index("-")
-        fstype, super_opts = fields[sep + 1], fields[sep + 3]
-        if fstype == "cgroup" and "pids" in super_opts.split(","):
-            return Path(fields[4])
-        if fstype == "cgroup2" and v2 is None:
-            v2 = Path(fields[4])
-    if v2 is not None:
-        with contextlib.suppress(OSError):
-            if "pids" in (v2 / "cgroup.subtree_control").read_text().split():
-                return v2
-    return None
-
-
-class PidsCgroup:
-    """A pids cgroup per sandbox, capping how many processes its commands may run at once (fork bombs)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.procs = str(path / "cgroup.procs")
-
-    @staticmethod
-    def for_sandbox(run_name: str, box: str, max_pids: int) -> PidsCgroup | None:
-        if os.geteuid() != 0:
-            return None
-        hierarchy = _pids_hierarchy()
-        if hierarchy is None:
-            return None
-        path = hierarchy / CGROUP_NAME / run_name / box
-        try:
-            path.mkdir(parents=True)
-            (path / "pids.max").write_text(str(max_pids))
-        except OSError:
+        return
+    for d in dirs:
+        if d and Path(d).name == run_dir.name:  # only a run's own groups, whatever the file says
             with contextlib.suppress(OSError):
-                path.rmdir()
-            return None
-        return PidsCgroup(path)
-
-    def remove(self) -> None:
-        _kill_and_rmdir(self.path)
-        with contextlib.suppress(OSError):
-            self.path.parent.rmdir()  # the run's group, once its last sandbox is gone
-
-    @staticmethod
-    def remove_run(run_name: str) -> None:
-        hierarchy = _pids_hierarchy()
-        if hierarchy is None:
-            return
-        run = hierarchy / CGROUP_NAME / run_name
-        if not run.is_dir():
-            return
-        for box in run.iterdir():
-            if box.is_dir():
-                _kill_and_rmdir(box)
-        with contextlib.suppress(OSError):
-            run.rmdir()
-
-
-def _kill_and_rmdir(path: Path) -> None:
-    # Normally empty: every command's PID namespace dies with it. Kill stragglers rather than leak the group.
-    for _ in range(50):
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            with contextlib.suppress(OSError):
-                for pid in (path / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(OSError):
-                        os.kill(int(pid), signal.SIGKILL)
-            time.sleep(0.01)
+                remove_tree(Path(d))

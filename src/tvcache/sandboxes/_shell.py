@@ -1,17 +1,18 @@
-"""Run one bash command in fresh namespaces, chrooted into a sandbox's root, and capture the shell's state.
+"""Run one bash command inside a sandbox (see _jail for the namespaces, mounts and privileges), and capture
+the shell's state.
 
 Every command gets its own bash. What a terminal would keep between commands, the working directory and the
 exported environment, is saved by an EXIT trap into a private pipe and replayed by a prelude before the next
 command, so it also survives snapshots and forks. The process chain is
 
-    [nsenter [--user --mount] [--net=NETNS]] unshare --mount --pid --fork --kill-child --ipc --uts
-        --root=ROOT --mount-proc  [setpriv --bounding-set=-...]  bash --noprofile --norc -c PRELUDE+COMMAND
+    [nsenter [--user --mount] [--net=NETNS]] bwrap ... -- bash --noprofile --norc -c PRELUDE+COMMAND
 
 - bash is PID 1 of a new PID namespace: when it exits, the kernel kills everything it left running, and a
-  timeout kills `unshare`, whose `--kill-child` takes the namespace down with it.
+  timeout kills bubblewrap, which takes the namespace down with it.
 - NETNS is the sandbox's private network namespace (loopback only, already up), made once per sandbox.
-- setpriv (the sandbox's own) drops the capabilities that could reach outside the root (mount, chroot,
-  mknod, raw I/O, modules, ...), so even root inside cannot undo the chroot.
+- The prelude first moves the shell into the sandbox's cgroups (through descriptors opened here), so a fork
+  bomb or a memory hog is capped there, then says it started: a command whose shell never said so (the
+  machinery failed) is a failure, never an answer.
 - bash starts with an empty environment and the prelude declares the saved exports, so an `unset` in one
   command stays unset in the next.
 
@@ -33,17 +34,10 @@ __all__ = ["BoundedOutput", "CommandResult", "ShellState", "run_bash", "truncate
 
 #: The file descriptor the EXIT trap writes the shell state to; high so scripts' own `exec 3>...` miss it.
 STATE_FD = 253
-#: Where the sandbox's cgroup.procs is passed, for bash to join before the command runs.
+#: Where the sandbox's cgroup.procs files are passed (252, 251, ...), for bash to join before the command runs.
 CGROUP_FD = 252
-
-#: Capabilities removed from the sandboxed shell: those that could mount, escape the chroot, create device
-#: nodes, touch hardware or the kernel, or reconfigure a shared network namespace.
-DROPPED_CAPS = (
-    "sys_admin,sys_chroot,mknod,sys_module,sys_rawio,sys_boot,sys_time,net_admin,linux_immutable,"
-    "mac_admin,mac_override,syslog,sys_pacct,audit_control,wake_alarm,block_suspend,bpf,perfmon"
-)
-
-SETPRIV = ["setpriv", "--bounding-set=-" + DROPPED_CAPS.replace(",", ",-")]
+#: What the prelude writes to the state pipe once the shell runs inside its cgroups.
+_STARTED = b"S"
 
 # $? first: the trap must not change the exit status. PWD, OLDPWD and SHLVL are bash's own and saved apart.
 _TRAP = (
@@ -72,6 +66,8 @@ class CommandResult:
     timed_out: bool
     state: ShellState
     """The shell state after the command (the previous one if the command left none, e.g. after `exec`)."""
+    started: bool = True
+    """False when the shell never ran the command (the sandbox machinery failed; `output` says why)."""
 
 
 class BoundedOutput:
@@ -127,13 +123,14 @@ def _high_fd(fd: int, at_least: int) -> int:
         os.close(fd)
 
 
-def _prelude(state: ShellState, cgroup_fd: int | None, state_fd: int) -> bytes:
+def _prelude(state: ShellState, cgroup_fds: Sequence[int], state_fd: int) -> bytes:
     lines = []
-    if cgroup_fd is not None:
-        # Join the sandbox's pids cgroup before anything runs, so a fork bomb is capped there.
-        lines.append(f"echo 0 >&{cgroup_fd} 2>/dev/null; exec {cgroup_fd}>&-".encode())
-    if state_fd != STATE_FD:
+    for fd in cgroup_fds:
+        # Join the sandbox's cgroups before anything runs, or do not run at all.
+        lines.append(f"{{ echo 0 >&{fd}; }} 2>/dev/null || exit 125; exec {fd}>&-".encode())
+    if state_fd != STATE_FD:  # after the joins: STATE_FD may have been one of theirs
         lines.append(f"exec {STATE_FD}>&{state_fd} {state_fd}>&-".encode())
+    lines.append(f"printf {_STARTED.decode()} >&{STATE_FD}".encode())
     if state.exports is not None:
         lines.append(b"{\n" + state.exports + b"\n} 2>/dev/null")
     lines.append(b"cd -- " + bash_quote(state.cwd) + b" 2>/dev/null || cd /")
@@ -144,7 +141,7 @@ def _prelude(state: ShellState, cgroup_fd: int | None, state_fd: int) -> bytes:
 
 
 def _parse_state(dump: bytes, previous: ShellState) -> ShellState:
-    parts = dump.split(b"\0", 3)
+    parts = dump[len(_STARTED) :].split(b"\0", 3)
     if len(parts) < 4:
         return previous  # no dump: the command replaced the shell (`exec`) or its EXIT trap
     _, cwd, oldpwd, exports = parts
@@ -193,52 +190,39 @@ def _wait_exit(loop: asyncio.AbstractEventLoop, proc: subprocess.Popen[bytes]) -
 
 
 async def run_bash(
-    enter: Sequence[str],
-    root: str,
+    jail: Sequence[str],
     command: str,
     state: ShellState,
     *,
     env: dict[str, str],
-    drop_caps: bool,
     timeout: float,
     max_output: int,
-    cgroup_procs: str | None,
+    cgroups: Sequence[str] = (),
+    pass_fds: Sequence[int] = (),
 ) -> CommandResult:
     """Run `command` as described in the module docstring and return its output, exit code and new state.
 
-    `enter` is the nsenter prefix (may be empty). `env` is the process environment; it reaches bash only
-    when `state.exports` is None (the first command of a factory).
+    `jail` is the argv that enters the sandbox, up to the command (see _jail). `env` is the process
+    environment; it reaches bash only when `state.exports` is None (the first command of a factory).
+    `cgroups` are the cgroup.procs files the shell joins; `pass_fds` are descriptors the jail needs (the
+    seccomp program), which this function closes.
     """
     loop = asyncio.get_running_loop()
     script = command.encode(errors="surrogateescape")
-    out_r, out_w = os.pipe()
+    cgroup_fds: list[int] = []
+    try:
+        for i, procs in enumerate(cgroups):
+            cgroup_fds.append(_high_fd(os.open(procs, os.O_WRONLY | os.O_CLOEXEC), CGROUP_FD - i))
+        out_r, out_w = os.pipe()
+    except BaseException:
+        for fd in (*cgroup_fds, *pass_fds):
+            os.close(fd)
+        raise
     state_r, state_w = os.pipe()
     state_w = _high_fd(state_w, STATE_FD)
-    cgroup_fd = None
-    if cgroup_procs is not None:
-        with contextlib.suppress(OSError):
-            cgroup_fd = _high_fd(os.open(cgroup_procs, os.O_WRONLY | os.O_CLOEXEC), CGROUP_FD)
-    script = _prelude(state, cgroup_fd, state_w) + script
-    argv: list[str | bytes] = [
-        *enter,
-        "unshare",
-        "--mount",
-        "--pid",
-        "--fork",
-        "--kill-child",
-        "--ipc",
-        "--uts",
-        f"--root={root}",
-        "--mount-proc",
-        "--",
-        *(SETPRIV if drop_caps else []),
-        "bash",
-        "--noprofile",
-        "--norc",
-        "-c",
-        script,
-    ]
-    fds = (state_w,) if cgroup_fd is None else (state_w, cgroup_fd)
+    script = _prelude(state, cgroup_fds, state_w) + script
+    argv: list[str | bytes] = [*jail, "bash", "--noprofile", "--norc", "-c", script]
+    fds = (state_w, *cgroup_fds, *pass_fds)
     try:
         proc = subprocess.Popen(  # noqa: ASYNC220 - a vfork+exec, far cheaper than asyncio's machinery
             argv,
@@ -276,8 +260,9 @@ async def run_bash(
         for reader in readers:
             reader.close()
         raise
+    started = dump.head().startswith(_STARTED)
     if timed_out:
-        return CommandResult(output.text(), None, True, state)
+        return CommandResult(output.text(), None, True, state, started)
     code = exited.result()
     exit_code = code if code >= 0 else 128 - code
-    return CommandResult(output.text(), exit_code, False, _parse_state(dump.head(), state))
+    return CommandResult(output.text(), exit_code, False, _parse_state(dump.head(), state), started)

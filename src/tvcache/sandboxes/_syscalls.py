@@ -3,7 +3,10 @@
 - The new mount API (`fsopen`/`fsconfig`/`fsmount`/`move_mount`): an overlay gets its lower layers one
   `lowerdir+` call at a time, so a deep stack is not limited by the 4 KiB option page of mount(2).
 - `open_tree` + `mount_setattr` for read-only bind mounts that also work inside a user namespace.
-- `mount(2)`/`umount2(2)` for the rest, and as the fallback where `lowerdir+` is unknown (kernels < 6.8).
+- `mount(2)`/`umount2(2)` for the rest (tmpfs, moves), and as the fallback where `lowerdir+` is unknown
+  (kernels < 6.8).
+
+Every mount made here is `nosuid,nodev`: a device node or set-uid file in a layer is inert.
 - `openat2(RESOLVE_IN_ROOT)`: open a path as a sandbox sees it, absolute symlinks and `..` included, without
   ever leaving the sandbox's root.
 
@@ -22,6 +25,9 @@ import threading
 __all__ = [
     "MNT_DETACH",
     "MS_BIND",
+    "MS_MOVE",
+    "MS_NODEV",
+    "MS_NOSUID",
     "MS_PRIVATE",
     "MS_REC",
     "RESOLVE_IN_ROOT",
@@ -30,6 +36,7 @@ __all__ = [
     "new_netns",
     "openat2",
     "overlay_mount",
+    "tmpfs_mount",
     "umount",
 ]
 
@@ -58,10 +65,15 @@ _MOVE_MOUNT_F_EMPTY_PATH = 0x4
 _OPEN_TREE_CLONE = 0x1
 _OPEN_TREE_CLOEXEC = os.O_CLOEXEC
 _MOUNT_ATTR_RDONLY = 0x1
+_MOUNT_ATTR_NOSUID = 0x2
+_MOUNT_ATTR_NODEV = 0x4
 
 MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
 MS_REMOUNT = 0x20
 MS_BIND = 0x1000
+MS_MOVE = 0x2000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
@@ -154,7 +166,8 @@ def overlay_mount(target: str, lowers: list[str], upper: str, work: str, options
             config(key, value)
         if _syscall(_SYS_FSCONFIG, ctypes.c_int(fd), ctypes.c_uint(_FSCONFIG_CMD_CREATE), None, None, 0) < 0:
             _raise(f"overlay on {target}", _context_log(fd))
-        mfd = _syscall(_SYS_FSMOUNT, ctypes.c_int(fd), ctypes.c_uint(_FSMOUNT_CLOEXEC), ctypes.c_uint(0))
+        attrs = ctypes.c_uint(_MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV)
+        mfd = _syscall(_SYS_FSMOUNT, ctypes.c_int(fd), ctypes.c_uint(_FSMOUNT_CLOEXEC), attrs)
         if mfd < 0:
             _raise(f"fsmount overlay for {target}", _context_log(fd))
         try:
@@ -175,10 +188,10 @@ class _MountAttr(ctypes.Structure):
 
 
 def bind_mount(source: str, target: str, *, readonly: bool) -> None:
-    """Bind `source` (one mount, not its submounts) onto `target`, optionally read-only.
+    """Bind `source` (one mount, not its submounts) onto `target`, `nosuid,nodev`, optionally read-only.
 
-    open_tree + mount_setattr sets read-only on the new mount alone, which unlike a MS_REMOUNT also works in
-    a user namespace (where the source's locked flags must otherwise be repeated exactly).
+    open_tree + mount_setattr sets flags on the new mount alone, which unlike a MS_REMOUNT also works in a
+    user namespace (where the source's locked flags must otherwise be repeated exactly).
     """
     fd = _syscall(
         _SYS_OPEN_TREE,
@@ -189,21 +202,26 @@ def bind_mount(source: str, target: str, *, readonly: bool) -> None:
     if fd < 0:
         _raise(f"open_tree {source}")
     try:
-        if readonly:
-            attr = _MountAttr(attr_set=_MOUNT_ATTR_RDONLY)
-            res = _syscall(
-                _SYS_MOUNT_SETATTR,
-                ctypes.c_int(fd),
-                ctypes.c_char_p(b""),
-                ctypes.c_uint(_AT_EMPTY_PATH),
-                ctypes.byref(attr),
-                ctypes.c_size_t(ctypes.sizeof(attr)),
-            )
-            if res < 0:
-                _raise(f"make bind of {source} read-only")
+        attr = _MountAttr(attr_set=_MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | (_MOUNT_ATTR_RDONLY if readonly else 0))
+        res = _syscall(
+            _SYS_MOUNT_SETATTR,
+            ctypes.c_int(fd),
+            ctypes.c_char_p(b""),
+            ctypes.c_uint(_AT_EMPTY_PATH),
+            ctypes.byref(attr),
+            ctypes.c_size_t(ctypes.sizeof(attr)),
+        )
+        if res < 0:
+            _raise(f"set the flags of a bind of {source}")
         _move_mount(fd, target)
     finally:
         os.close(fd)
+
+
+def tmpfs_mount(target: str, *, size: int | None, inodes: int | None) -> None:
+    """A private tmpfs on `target`, holding at most `size` bytes and `inodes` files (None: tmpfs's defaults)."""
+    options = ["mode=0755", *([f"size={size}"] if size else []), *([f"nr_inodes={inodes}"] if inodes else [])]
+    mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, ",".join(options))
 
 
 class _OpenHow(ctypes.Structure):

@@ -44,8 +44,9 @@ What the base provides:
   process (a durable cache) never names a snapshot of this one by accident.
 - Sandboxes: `_turn()`, an async context manager that serialises operations and refuses them once closed;
   `close()` (idempotent: marks the sandbox closed at once, calls `_interrupt()` to stop what is running, waits
-  for the running operation to end, then calls `_release()` once). The factory tracks live sandboxes
-  weakly: one a caller drops without closing is collected, and its files go with the factory's cleanup.
+  for the running operation to end, then calls `_release()` once). The factory holds its live sandboxes
+  until they are closed (their mounts, files and layer references need an explicit release), so closing
+  the factory closes every sandbox its callers forgot.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class ManagedSandboxes(Generic[BoxT, RecordT]):
 
     def __init__(self) -> None:
         self._closed = False
-        self._live: weakref.WeakSet[BoxT] = weakref.WeakSet()
+        self._live: set[BoxT] = set()
         self._snapshots: dict[str, RecordT] = {}
         self._token = secrets.token_hex(6)
         self._ids = itertools.count(1)

@@ -1,0 +1,483 @@
+"""How a sandbox's root filesystem is made, frozen and restored: one class per isolation mode.
+
+- `OverlayIsolation` (root): kernel overlayfs mounted by this process, in a private mount of the run dir.
+- `UsernsIsolation` (no root needed): the same overlays, with `userxattr`, made by a helper process in a user
+  namespace of its own (see _mounts); this process reaches them through the helper's /proc/PID/root.
+- `CopyIsolation` (no overlayfs): each sandbox and snapshot is a full copy of the workspace.
+
+`choose()` tries them in that order (or the one asked for) with a test mount. An isolation makes a
+`SandboxRoot` per sandbox: the root's mounts, the observation of changes, the freezing into a snapshot.
+
+**Disk quota.** A sandbox writes only into a tmpfs of its own, `disk` bytes big (and one file per KiB of it):
+the overlay modes' upper dirs live on one such tmpfs per generation, which `freeze` moves whole into the
+layer store (a mount move: no copy, and deleting the layer later is one unmount); copy mode's private tree
+is a tmpfs of the copy's size plus `disk`. A full quota is an ENOSPC for the writer and `full()` here.
+
+Paths: a root's mounts are made where the mounter lives (`path`); this process reads and writes the files
+below them through `mounter.view(path)`, which is the same path except in userns mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ._layers import LayerStore, is_empty, listing, merge_layers
+from ._layout import DEVICES, Layout, build_layout
+from ._mounts import HostMounter, Mounter, NamespaceMounter
+from ._shell import ShellState
+from ._syscalls import MS_BIND, MS_PRIVATE, MS_REC, mount
+from .base import SandboxError
+
+__all__ = ["Isolation", "SandboxRoot", "Snapshot", "choose"]
+
+#: Bytes of quota per file the quota allows (tmpfs's nr_inodes).
+_BYTES_PER_INODE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A saved sandbox: its shell state and its files."""
+
+    state: ShellState
+    stack: tuple[str, ...] = ()
+    """Overlay modes: the snapshot's layers, oldest first."""
+    copy: Path | None = None
+    """Copy mode: the snapshot's private tree."""
+    size: int = 0
+    """Copy mode: the tree's bytes and files, which a sandbox restored from it gets beyond its quota."""
+    files: int = 0
+
+
+class Isolation(ABC):
+    """What one mode does for every sandbox of a factory."""
+
+    mode: ClassVar[str]
+
+    def __init__(
+        self,
+        run: Path,
+        mounter: Mounter,
+        workspace: dict[str, tuple[str, ...]],
+        system: str | None,
+        *,
+        disk: int | None,
+        max_layers: int,
+    ):
+        self.run = run
+        self.mounter = mounter
+        self.disk = disk
+        self.max_layers = max_layers
+        self.layout: Layout = build_layout(
+            self.mode, workspace, system, run / "skeleton", opaque_xattr=mounter.opaque_xattr
+        )
+
+    @property
+    def inodes(self) -> int | None:
+        return None if self.disk is None else max(self.disk // _BYTES_PER_INODE, 1024)
+
+    async def prepare(self) -> Snapshot:
+        """The snapshot every new sandbox starts from, made once (its shell state is filled in later)."""
+        return Snapshot(ShellState(cwd=b"/"))
+
+    @abstractmethod
+    def root(self, box: Path) -> SandboxRoot:
+        """A new sandbox's root, to be mounted under the (not yet existing) directory `box`."""
+
+    @abstractmethod
+    def acquire(self, snap: Snapshot) -> None:
+        """A new snapshot record holds its files."""
+
+    @abstractmethod
+    def release(self, snap: Snapshot) -> list[tuple[Path, bool]]:
+        """A snapshot record is deleted: the directories nobody needs any more, as (path, is a mount)."""
+
+    async def remove(self, dead: list[tuple[Path, bool]]) -> None:
+        """Unmount (if a mount) and delete directories made by this isolation."""
+
+        def work() -> None:
+            for path, mounted in dead:
+                if mounted:
+                    with contextlib.suppress(OSError):
+                        self.mounter.detach(str(path))
+                shutil.rmtree(path, ignore_errors=True)
+
+        if dead:
+            await asyncio.to_thread(work)
+
+    def mount_binds(self, root: str) -> None:
+        """The read-only system directories and device stand-ins every root of the layout has."""
+        for source, point in self.layout.ro_binds:
+            self.mounter.bind(source, root + point, readonly=True)
+        if self.layout.dev_binds:
+            # Fast paths then see /dev as commands do (devices, refused), not as empty files.
+            for name in DEVICES:
+                self.mounter.bind(f"/dev/{name}", f"{root}/dev/{name}", readonly=False)
+
+
+class SandboxRoot(ABC):
+    """One sandbox's root filesystem."""
+
+    def __init__(self, isolation: Isolation, box: Path):
+        self.iso = isolation
+        self.box = box
+        self.path = str(box / "root")
+        self._mounted = False
+
+    @property
+    def view(self) -> str:
+        """The root as this process sees it."""
+        return self.iso.mounter.view(self.path)
+
+    @abstractmethod
+    async def start(self, snap: Snapshot) -> None:
+        """Make the box directory and mount the root in the snapshot's state."""
+
+    @abstractmethod
+    async def changed(self) -> bool:
+        """Did the files change since the last look?"""
+
+    @abstractmethod
+    def scratch(self) -> str:
+        """This process's path of the tmpfs the sandbox writes into."""
+
+    def full(self) -> bool:
+        """Is the disk quota used up (no block or no file left)?"""
+        if self.iso.disk is None:
+            return False
+        st = os.statvfs(self.scratch())
+        return st.f_bavail == 0 or st.f_favail == 0
+
+    @abstractmethod
+    async def freeze(self, state: ShellState) -> Snapshot:
+        """Save the current files as a snapshot; the sandbox goes on."""
+
+    @abstractmethod
+    def _scratch_mount(self) -> Path:
+        """Where the tmpfs the sandbox writes into is mounted (the mounter's path)."""
+
+    async def remove(self) -> None:
+        """Unmount everything and delete the box (the snapshots it made stay)."""
+        with contextlib.suppress(OSError):  # already gone with the factory's run dir
+            self._unmount()
+        await self.iso.remove([(self._scratch_mount(), True), (self.box, False)])
+
+    def _unmount(self) -> None:
+        if self._mounted:
+            self.iso.mounter.detach(self.path)
+            self._mounted = False
+
+
+# -- overlay modes -------------------------------------------------------------------------------------------
+
+
+class OverlayIsolation(Isolation):
+    mode = "overlay"
+
+    def __init__(self, run: Path, mounter: Mounter, *args: Any, **kwargs: Any):
+        super().__init__(run, mounter, *args, **kwargs)
+        self.layers = LayerStore(run / "layers")
+
+    def root(self, box: Path) -> SandboxRoot:
+        return LayeredRoot(self, box)
+
+    def acquire(self, snap: Snapshot) -> None:
+        self.layers.acquire(snap.stack)
+
+    def release(self, snap: Snapshot) -> list[tuple[Path, bool]]:
+        return self.layers.release(snap.stack)
+
+
+class UsernsIsolation(OverlayIsolation):
+    mode = "userns"
+
+
+class LayeredRoot(SandboxRoot):
+    """Overlays of the snapshot's layers and the layout's lower dirs, under upper dirs on the sandbox's tmpfs
+    (`g<generation>`, renewed by each freeze)."""
+
+    iso: OverlayIsolation
+
+    def __init__(self, isolation: OverlayIsolation, box: Path):
+        super().__init__(isolation, box)
+        self.stack: tuple[str, ...] = ()
+        self._gen = 0
+        self._listings: list[list[Any] | None] = [None] * len(isolation.layout.overlays)
+
+    def _scratch_mount(self) -> Path:
+        return self.box / f"g{self._gen}"
+
+    def scratch(self) -> str:
+        return self.iso.mounter.view(str(self._scratch_mount()))
+
+    def _upper(self, k: int) -> str:
+        return f"{self.scratch()}/u{k}"
+
+    async def start(self, snap: Snapshot) -> None:
+        self.box.mkdir()
+        os.mkdir(self.path)
+        self.iso.layers.acquire(snap.stack)
+        self.stack = snap.stack
+        self._mount()
+
+    def _mount(self) -> None:
+        mounter, layers = self.iso.mounter, self.iso.layers
+        scratch = str(self.box / f"g{self._gen}")
+        os.mkdir(scratch)
+        mounter.tmpfs(scratch, size=self.iso.disk, inodes=self.iso.inodes)
+        for k, mnt in enumerate(self.iso.layout.overlays):
+            os.mkdir(self._upper(k))
+            os.mkdir(f"{self.scratch()}/w{k}")
+            frozen = [str(layers.dir(lid, k)) for lid in reversed(self.stack)]
+            lowers = [p for p in frozen if os.path.isdir(mounter.view(p))] + list(reversed(mnt.lowers))
+            target = self.path + (mnt.point if mnt.point != "/" else "")
+            mounter.overlay(target, lowers, f"{scratch}/u{k}", f"{scratch}/w{k}")
+            self._mounted = True  # the first mount is the root: from now on, detaching it cleans up
+        self.iso.mount_binds(self.path)
+        self._listings = [None] * len(self.iso.layout.overlays)
+
+    async def changed(self) -> bool:
+        # An untouched upper dir is empty, checked in microseconds; otherwise compare listings.
+        changed = False
+        for k in range(len(self._listings)):
+            upper = self._upper(k)
+            if self._listings[k] is None and is_empty(upper):
+                continue
+            now = await asyncio.to_thread(listing, upper)
+            changed = changed or now != self._listings[k]
+            self._listings[k] = now
+        return changed
+
+    async def freeze(self, state: ShellState) -> Snapshot:
+        dirty = [k for k in range(len(self._listings)) if not is_empty(self._upper(k))]
+        if dirty:
+            await self._freeze(dirty)
+        return Snapshot(state, self.stack)
+
+    async def _freeze(self, dirty: list[int]) -> None:
+        """Unmount, move the tmpfs holding the changed upper dirs into a new layer, remount on a fresh one.
+
+        No command is running (the caller holds the sandbox) and each one's PID namespace died with it, so
+        nothing can write into the upper dirs while they become a layer."""
+        mounter, layers = self.iso.mounter, self.iso.layers
+        self._unmount()
+        old = self._gen
+        try:
+            scratch = self.scratch()
+            for k in range(len(self._listings)):
+                shutil.rmtree(f"{scratch}/w{k}", ignore_errors=True)
+                if k in dirty:
+                    os.rename(self._upper(k), f"{scratch}/{k}")
+                else:
+                    os.rmdir(self._upper(k))
+            layer_id, path = layers.new(mount=True)
+            mounter.move(str(self.box / f"g{old}"), str(path))
+            layers.acquire([layer_id])
+            self.stack = (*self.stack, layer_id)
+            if len(self.stack) > self.iso.max_layers:
+                await self._merge()
+        finally:
+            self._gen += 1
+            with contextlib.suppress(OSError):
+                os.rmdir(self.box / f"g{old}")  # the old mount point, empty once its tmpfs moved
+            self._mount()
+
+    async def _merge(self) -> None:
+        """Flatten this sandbox's whole stack into one layer (the old layers live on for their snapshots)."""
+        layers, view = self.iso.layers, self.iso.mounter.view
+        layer_id, path = layers.new()
+        xattr = self.iso.mounter.opaque_xattr
+
+        def merge_all() -> None:
+            for k, mnt in enumerate(self.iso.layout.overlays):
+                parts = [view(str(layers.dir(lid, k))) for lid in reversed(self.stack)]
+                parts = [p for p in parts if os.path.isdir(p)]
+                if parts:
+                    merge_layers(parts, list(mnt.lowers), view(str(path / str(k))), xattr)
+
+        await asyncio.to_thread(merge_all)
+        layers.acquire([layer_id])
+        dead = layers.release(self.stack)
+        self.stack = (layer_id,)
+        await self.iso.remove(dead)
+
+    async def remove(self) -> None:
+        await super().remove()
+        dead = self.iso.layers.release(self.stack)
+        self.stack = ()
+        await self.iso.remove(dead)
+
+
+# -- copy mode -------------------------------------------------------------------------------------------------
+
+
+class CopyIsolation(Isolation):
+    mode = "copy"
+
+    async def prepare(self) -> Snapshot:
+        template = self.run / "template"
+        template.mkdir()
+        for mnt in self.layout.overlays:
+            dest = str(template) + (mnt.point if mnt.point != "/" else "")
+            for lower in mnt.lowers:
+                await copy_tree(lower, dest)
+        size, files = await asyncio.to_thread(_usage, str(template))
+        return Snapshot(ShellState(cwd=b"/"), copy=template, size=size, files=files)
+
+    def root(self, box: Path) -> SandboxRoot:
+        return CopiedRoot(self, box)
+
+    def acquire(self, snap: Snapshot) -> None:
+        return None  # a copy belongs to its one record
+
+    def release(self, snap: Snapshot) -> list[tuple[Path, bool]]:
+        return [] if snap.copy is None else [(snap.copy, False)]
+
+
+class CopiedRoot(SandboxRoot):
+    """A private copy of the snapshot's tree on a tmpfs of its own, bound as the root."""
+
+    def __init__(self, isolation: Isolation, box: Path):
+        super().__init__(isolation, box)
+        self._data = str(box / "data")
+        self._listing: list[Any] | None = None
+
+    def _scratch_mount(self) -> Path:
+        return Path(self._data)
+
+    def scratch(self) -> str:
+        return self.iso.mounter.view(self._data)
+
+    async def start(self, snap: Snapshot) -> None:
+        assert snap.copy is not None
+        self.box.mkdir()
+        os.mkdir(self.path)
+        os.mkdir(self._data)
+        disk, inodes = self.iso.disk, self.iso.inodes
+        self.iso.mounter.tmpfs(
+            self._data,
+            size=None if disk is None else snap.size + disk,
+            inodes=None if inodes is None else snap.files + inodes,
+        )
+        self.iso.mounter.bind(self._data, self.path, readonly=False)
+        self._mounted = True
+        try:
+            await copy_tree(str(snap.copy), self.scratch())
+        finally:
+            self.iso.mount_binds(self.path)
+        self._listing = await asyncio.to_thread(listing, self.scratch())
+
+    async def changed(self) -> bool:
+        now = await asyncio.to_thread(listing, self.scratch())
+        changed = now != self._listing
+        self._listing = now
+        return changed
+
+    async def freeze(self, state: ShellState) -> Snapshot:
+        dest = self.iso.run / "copies" / secrets.token_hex(6)
+        dest.parent.mkdir(exist_ok=True)
+        await copy_tree(self.scratch(), str(dest))
+        size, files = await asyncio.to_thread(_usage, str(dest))
+        return Snapshot(state, copy=dest, size=size, files=files)
+
+
+def _usage(root: str) -> tuple[int, int]:
+    """Bytes of the files under `root` (as tmpfs counts them) and how many entries it has."""
+    size = files = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        files += len(dirnames) + len(filenames)
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                size += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return size, files
+
+
+async def copy_tree(src: str, dest: str) -> None:
+    """`cp -a` the contents of `src` into the (existing or new) directory `dest`, without crossing into other
+    filesystems (as overlayfs would not)."""
+    proc = await asyncio.create_subprocess_exec(
+        "cp", "-a", "--one-file-system", "--reflink=auto", "--", src + "/.", dest, stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise SandboxError(f"copying {src} to {dest} failed: {err.decode(errors='replace').strip()}")
+
+
+# -- choosing -------------------------------------------------------------------------------------------------
+
+_MODES: dict[str, type[Isolation]] = {"overlay": OverlayIsolation, "userns": UsernsIsolation, "copy": CopyIsolation}
+
+
+def _probe(mounter: Mounter, probe_dir: Path, *, overlay: bool) -> None:
+    """A test mount: an overlay (or a bind) of one file, on a tmpfs like every sandbox's upper dirs."""
+    probe_dir.mkdir()
+    try:
+        for sub in ("lower", "scratch", "merged"):
+            (probe_dir / sub).mkdir()
+        (probe_dir / "lower" / "f").write_text("x")
+        scratch, target = str(probe_dir / "scratch"), str(probe_dir / "merged")
+        mounter.tmpfs(scratch, size=1 << 20, inodes=64)
+        try:
+            if overlay:
+                for sub in ("upper", "work"):
+                    os.mkdir(mounter.view(f"{scratch}/{sub}"))
+                mounter.overlay(target, [str(probe_dir / "lower")], f"{scratch}/upper", f"{scratch}/work")
+            else:
+                mounter.bind(str(probe_dir / "lower"), target, readonly=True)
+            try:
+                if not os.path.exists(mounter.view(target + "/f")):
+                    raise SandboxError("a test mount did not show its files")
+            finally:
+                mounter.detach(target)
+        finally:
+            mounter.detach(scratch)
+    finally:
+        shutil.rmtree(probe_dir, ignore_errors=True)
+
+
+def choose(
+    isolation: str,
+    run: Path,
+    workspace: dict[str, tuple[str, ...]],
+    system: str | None,
+    *,
+    disk: int | None,
+    max_layers: int,
+) -> Isolation:
+    """The first isolation mode that works here, in the order overlay, userns, copy (or the one asked for)."""
+    if isolation not in ("auto", *_MODES):
+        raise ValueError(f"isolation must be 'auto', 'overlay', 'userns' or 'copy', got {isolation!r}")
+    if shutil.which("nsenter") is None:
+        raise SandboxError("workspace sandboxes need `nsenter` (util-linux) on PATH")
+    order = list(_MODES) if isolation == "auto" else [isolation]
+    if os.geteuid() == 0:
+        # A private mount of our own: nothing we mount propagates elsewhere, and one lazy unmount of the run
+        # dir detaches all of it.
+        mount(str(run), str(run), None, MS_BIND | MS_REC)
+        mount(None, str(run), None, MS_PRIVATE | MS_REC)
+    errors = []
+    for mode in order:
+        mounter: Mounter | None = None
+        try:
+            if mode == "overlay":
+                if os.geteuid() != 0:
+                    raise SandboxError("needs root (CAP_SYS_ADMIN)")
+                mounter = HostMounter()
+            elif mode == "userns":
+                mounter = NamespaceMounter()
+            else:
+                mounter = HostMounter() if os.geteuid() == 0 else NamespaceMounter()
+            _probe(mounter, run / f"probe-{mode}", overlay=mode != "copy")
+            return _MODES[mode](run, mounter, workspace, system, disk=disk, max_layers=max_layers)
+        except (OSError, SandboxError) as exc:
+            if mounter is not None:
+                mounter.close()
+            errors.append(f"{mode}: {exc}")
+    raise SandboxError("no workspace isolation works on this machine (" + "; ".join(errors) + ")")

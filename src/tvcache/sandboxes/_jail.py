@@ -1,0 +1,104 @@
+"""What a command runs inside: bubblewrap's view of a sandbox root, with what a default Docker container holds.
+
+Every command is started as
+
+    [nsenter ... --] bwrap --unshare-pid --unshare-ipc --unshare-uts --as-pid-1 --die-with-parent --new-session
+        --bind ROOT / --proc /proc  (read-only and masked /proc paths)  (/dev/null & co. from the host)
+        --cap-drop ALL --cap-add ...  --seccomp FD  --chdir /  -- bash ...
+
+bubblewrap (Debian's `bubblewrap`, one small C program) makes the namespaces, mounts the sandbox's root as the
+new `/` (recursively, and every mount `nosuid,nodev`: a device node in a layer cannot be opened), a fresh
+procfs, pivots into the root (the host's tree is unmounted from the namespace, so no chroot trick leads back
+out), drops capabilities, loads the seccomp filter and starts bash as PID 1 of its namespace: when bash exits
+the kernel kills everything it left, and killing bubblewrap (a timeout) takes the namespace down with it
+(`--die-with-parent`). `--new-session` detaches the command from any terminal (no TIOCSTI keystrokes into the
+host's).
+
+/proc, as in Docker: `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq`, `/proc/bus` and `/proc/fs` read-only
+(`/proc/sys/kernel/core_pattern` would otherwise make the host's kernel run any program as root); Docker's
+masked files (`/proc/kcore`, `/proc/keys`, `/proc/timer_list`, `/proc/sched_debug`, ...) read as empty and
+its masked directories (`/proc/acpi`, `/proc/scsi`, `/proc/asound`) as empty and read-only. The read-only
+views are bind mounts of the host's procfs entries, which show the same thing: a sysctl answers for the
+namespaces of the process that reads it. There is no /sys at all (Docker mounts it read-only).
+
+Capabilities: Docker's default set less CAP_MKNOD and CAP_SYS_CHROOT (which nothing here needs), in every
+isolation mode: no CAP_SYS_ADMIN, CAP_DAC_READ_SEARCH (`open_by_handle_at`, the "shocker" escape),
+CAP_SYS_MODULE, CAP_SYS_PTRACE, CAP_SYS_RAWIO, CAP_NET_ADMIN, ...
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from .base import SandboxError
+
+__all__ = ["CAPABILITIES", "Jail", "find_bwrap"]
+
+#: Docker's default capabilities, less CAP_MKNOD and CAP_SYS_CHROOT.
+CAPABILITIES = (
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_RAW",
+    "CAP_AUDIT_WRITE",
+    "CAP_SETFCAP",
+)
+_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+_MASKED_FILES = ("kcore", "keys", "key-users", "latency_stats", "timer_list", "timer_stats", "sched_debug")
+_MASKED_DIRS = ("acpi", "scsi", "asound")
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+def _proc_options(empty: str) -> list[str]:
+    """The bubblewrap options for /proc, for the entries this kernel has. `empty` is an empty file: masked
+    files are bound to it (not to /dev/null, which a `nodev` bind would make unreadable instead of empty)."""
+    options = ["--proc", "/proc"]
+    for name in _READ_ONLY:
+        if os.path.lexists(f"/proc/{name}"):
+            options += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
+    for name in _MASKED_FILES:
+        if os.path.isfile(f"/proc/{name}"):
+            options += ["--ro-bind", empty, f"/proc/{name}"]
+    for name in _MASKED_DIRS:
+        if os.path.isdir(f"/proc/{name}"):
+            options += ["--tmpfs", f"/proc/{name}", "--remount-ro", f"/proc/{name}"]
+    return options
+
+
+def find_bwrap() -> str:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SandboxError("workspace sandboxes need bubblewrap: apt-get install bubblewrap (or dnf, apk, ...)")
+    return bwrap
+
+
+class Jail:
+    """The argv that starts a command in a sandbox root (see the module docstring). `empty` is the path of an
+    empty, read-only file."""
+
+    def __init__(self, empty: str) -> None:
+        bwrap = find_bwrap()
+        self._head = [
+            bwrap,
+            *("--unshare-pid", "--unshare-ipc", "--unshare-uts", "--as-pid-1", "--die-with-parent"),
+            "--new-session",
+        ]
+        self._tail = [
+            *_proc_options(empty),
+            *(arg for name in _DEVICES for arg in ("--dev-bind", f"/dev/{name}", f"/dev/{name}")),
+            *("--cap-drop", "ALL"),
+            *(arg for cap in CAPABILITIES for arg in ("--cap-add", cap)),
+            *("--chdir", "/"),
+        ]
+
+    def argv(self, enter: list[str], root: str, seccomp_fd: int | None) -> list[str]:
+        """`enter` (an nsenter prefix, or nothing) + bubblewrap over `root`, up to the command's `--`."""
+        seccomp = [] if seccomp_fd is None else ["--seccomp", str(seccomp_fd)]
+        return [*enter, *self._head, "--bind", root, "/", *self._tail, *seccomp, "--"]
