@@ -6,6 +6,7 @@ and `import tvcache` never load the benchmarks.
     tvcache bench sql [--tasks N] [--epochs E] [--rollouts R] [--seed S] [--no-tpch] [common]
     tvcache bench swe [--tasks N] [--epochs E] [--timeout S] [common]
     tvcache bench airline [--tasks N] [--epochs E] [--latency S] [common]
+    tvcache bench video [--tasks N] [--epochs E] [--rollouts R] [--seed S] [common]
         common: [--batch B] [--concurrency C] [--strategies LIST] [--store URL] [--no-progress]
                 [--json OUT] [--charts DIR]
 
@@ -44,6 +45,7 @@ BENCHES = {
     "sql": "SQL rollouts on the real databases (Spider-de, Geography) plus seconds-long TPC-H queries",
     "swe": "SWE-agent bash rollouts (traces/swe-dev.jsonl) in workspace sandboxes holding each project",
     "airline": "tau-bench airline rollouts (traces/tau-airline.jsonl) on the 14 airline tools",
+    "video": "video question answering on real clips: load, preprocess (OpenCV features), then read-only analyses",
     "synthetic": "a parametric GRPO workload for scale: thousands of rollouts, 10^5+ graph nodes",
     "overhead": "the cache's own cost per call, hit and miss, for the memory and SQLite stores",
     "sandbox": "workspace sandbox create / snapshot / restore / exec next to cp -a of the same base",
@@ -162,6 +164,8 @@ def _check(args: argparse.Namespace, command: str) -> None:
             require("redis", "this command", "redis")
         if workload == "docker":
             require("docker", "this command", "aiodocker")
+        if workload == "video":
+            require("bench", "this command", "cv2")
     store = getattr(args, "store", None)
     if store is not None:
         from tvcache.stores import open_store
@@ -280,9 +284,10 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "sql": {"tasks": 40, "epochs": 1, "rollouts": 8, "seed": 0, "no_tpch": False, "turns": "strategy"},
     "swe": {"tasks": None, "epochs": 1, "timeout": 60.0, "no_warmup": False, "turns": "step"},
     "airline": {"tasks": None, "epochs": 1, "latency": 0.05, "turns": "step"},
+    "video": {"tasks": None, "epochs": 1, "rollouts": 8, "seed": 0, "turns": "step"},
 }
 _REPLAY_OPTIONS = {"batch": 4, "concurrency": 8, "strategies": list(STRATEGIES), "store": None, "no_progress": False}
-for _options in ("sql", "swe", "airline"):
+for _options in ("sql", "swe", "airline", "video"):
     BENCH_DEFAULTS[_options].update(_REPLAY_OPTIONS)
 
 
@@ -290,13 +295,18 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
     """Options `tvcache bench` takes besides `--json`; each workload says which apply (`BENCH_DEFAULTS`)."""
     parser.add_argument("--charts", metavar="DIR", help="write PNG charts into DIR")
     parser.add_argument(
-        "--tasks", type=_positive_int, metavar="N", help="(sql, swe, airline) the first N tasks (sql default 40)"
+        "--tasks", type=_positive_int, metavar="N", help="(sql, swe, airline, video) the first N tasks (sql default 40)"
     )
     parser.add_argument(
-        "--epochs", type=_positive_int, metavar="E", help="(sql, swe, airline) replay the rollouts E times (default 1)"
+        "--epochs",
+        type=_positive_int,
+        metavar="E",
+        help="(sql, swe, airline, video) replay the rollouts E times (default 1)",
     )
-    parser.add_argument("--rollouts", type=_positive_int, metavar="R", help="(sql) rollouts per task (default 8)")
-    parser.add_argument("--seed", type=int, metavar="S", help="(sql) seed of the exploration policy (default 0)")
+    parser.add_argument(
+        "--rollouts", type=_positive_int, metavar="R", help="(sql, video) rollouts per task (default 8)"
+    )
+    parser.add_argument("--seed", type=int, metavar="S", help="(sql, video) seed of the rollout policy (default 0)")
     parser.add_argument("--no-tpch", action="store_true", default=None, help="(sql) leave out the TPC-H tasks")
     parser.add_argument(
         "--latency",
@@ -316,27 +326,37 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--turns",
         choices=("step", "strategy"),
-        help="(sql, swe, airline) how strategies take turns: step by step, or each strategy's whole schedule "
+        help="(sql, swe, airline, video) how strategies take turns: step by step, or each strategy's whole schedule "
         "(default: strategy for sql, step for the others; see `tvcache replay --help`)",
     )
     parser.add_argument(
-        "--batch", type=_positive_int, metavar="B", help="(sql, swe, airline) tasks per training step (default 4)"
+        "--batch",
+        type=_positive_int,
+        metavar="B",
+        help="(sql, swe, airline, video) tasks per training step (default 4)",
     )
     parser.add_argument(
-        "--concurrency", type=_positive_int, metavar="C", help="(sql, swe, airline) rollouts in flight (default 8)"
+        "--concurrency",
+        type=_positive_int,
+        metavar="C",
+        help="(sql, swe, airline, video) rollouts in flight (default 8)",
     )
     parser.add_argument(
         "--strategies",
         type=_strategies,
         metavar="LIST",
-        help=f"(sql, swe, airline) comma-separated, from {','.join(STRATEGIES)} (default: all)",
+        help=f"(sql, swe, airline, video) comma-separated, from {','.join(STRATEGIES)} (default: all)",
     )
-    parser.add_argument("--store", metavar="URL", help="(sql, swe, airline) tvcache's store (default: in memory)")
-    parser.add_argument("--no-progress", action="store_true", default=None, help="(sql, swe, airline) no progress bars")
+    parser.add_argument(
+        "--store", metavar="URL", help="(sql, swe, airline, video) tvcache's store (default: in memory)"
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", default=None, help="(sql, swe, airline, video) no progress bars"
+    )
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Run `tvcache bench quick|synthetic|sql|swe|airline`; prints the report, returns the figures for
+    """Run `tvcache bench quick|synthetic|sql|swe|airline|video`; prints the report, returns the figures for
     `--json`. An option that does not apply to the workload is an error (exit status 2)."""
     workload = args.workload
     if workload not in BENCH_DEFAULTS:
@@ -358,6 +378,22 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             tasks=o["tasks"],
             epochs=o["epochs"],
             latency=o["latency"],
+            batch=o["batch"],
+            concurrency=o["concurrency"],
+            strategies=o["strategies"],
+            store=o["store"],
+            charts=charts,
+            progress=not o["no_progress"],
+            turns=o["turns"],
+        )
+    if workload == "video":
+        from .workloads.video import bench as video_bench
+
+        return video_bench.run(
+            tasks=o["tasks"],
+            epochs=o["epochs"],
+            rollouts=o["rollouts"],
+            seed=o["seed"],
             batch=o["batch"],
             concurrency=o["concurrency"],
             strategies=o["strategies"],
