@@ -212,6 +212,7 @@ def test_task_answers_agree_with_the_features_read_by_sql(videos: video_bench.Vi
     people = by_kind["people"]
     count = one("beta", "SELECT count(*) FROM segments WHERE people > 0 OR faces > 0")
     assert people.choices[people.answer] == str(int(count)) and len(set(people.choices)) == 5
+    assert list(people.choices) == sorted(people.choices, key=int)  # numbers in order, the answer anywhere
 
 
 def test_the_policy_writes_rollouts_shaped_like_the_agent_loop(videos: video_bench.Videos) -> None:

@@ -99,7 +99,7 @@ def make_task(kind: str, videos: Sequence[str], memories: Sequence[analysis.Memo
             if kind == "people"
             else f"How many shots (continuous takes between cuts) does {files[0]} have?"
         )
-        return _task(kind, files, question, str(value), [str(n) for n in sorted(numbers)], rng, shuffle=False)
+        return _task(kind, files, question, str(value), [str(n) for n in numbers], rng, numeric=True)
     if kind == "face":
         seen = [r for r in memory.segments if r.faces]
         times = [clock(r.start) for r in memory.segments]
@@ -110,11 +110,14 @@ def make_task(kind: str, videos: Sequence[str], memories: Sequence[analysis.Memo
 
 
 def _task(
-    kind: str, files: list[str], question: str, correct: str, pool: list[str], rng: random.Random, shuffle: bool = True
+    kind: str, files: list[str], question: str, correct: str, pool: list[str], rng: random.Random, numeric: bool = False
 ) -> Task:
+    """The correct choice and up to four others from `pool`, shuffled (numbers: in increasing order)."""
     others = [c for c in pool if c != correct]
     choices = [correct, *rng.sample(others, min(CHOICES - 1, len(others)))]
-    if shuffle:
+    if numeric:
+        choices.sort(key=int)
+    else:
         rng.shuffle(choices)
     name = files[0].removesuffix(".mp4")
     return Task(f"{kind}/{name}", kind, (name,), question, tuple(choices), choices.index(correct))
