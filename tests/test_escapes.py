@@ -24,7 +24,7 @@ import pytest
 
 import tvcache
 from test_workspace import AVAILABLE, TMP, bash, factory_for, out, run
-from tvcache import ToolCall
+from tvcache import SandboxError, ToolCall
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
 # The `mode` (every isolation mode that works here) and `base` (a small task directory) fixtures.
@@ -303,6 +303,13 @@ def test_the_host_root_as_the_workspace() -> None:
             assert await out(box, "ls -A /testbed/proc | wc -l") == "0\n"  # a mount point: the overlay shows it empty
 
     run(main())
+
+
+def test_the_host_root_cannot_be_a_layer_in_a_user_namespace() -> None:
+    if AVAILABLE["userns"] is not None:
+        pytest.skip("needs userns isolation")
+    with pytest.raises(SandboxError, match="userns isolation cannot use / as a layer: it has mounts below it"):
+        WorkspaceSandboxes("/", isolation="userns")
 
 
 def test_pseudo_filesystems_cannot_be_workspaces() -> None:

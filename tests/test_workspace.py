@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -313,6 +314,31 @@ def test_rm_rf_root_breaks_only_its_own_sandbox(base: Path, mode: str, mini_root
 
     run(main())
     assert (tree_digest(base), tree_digest(mini_rootfs)) == before
+
+
+def test_a_root_made_of_image_layers(base: Path, mode: str, mini_rootfs: Path) -> None:
+    """What `from_image` builds on: "/" mapped to layer directories, bottom first, whose whiteouts delete what
+    lies below, with the image's environment and working directory."""
+    if os.geteuid() != 0:
+        pytest.skip("a whiteout is a device node: making one needs root")
+    top = Path(tempfile.mkdtemp(prefix="tvcache-ws-layer-", dir=TMP))
+    try:
+        (top / "app").mkdir()
+        (top / "app" / "main.txt").write_text("from the top layer\n")
+        (top / "bin").mkdir()
+        os.mknod(top / "bin" / "ls", stat.S_IFCHR, 0)  # deletes /bin/ls of the layer below
+
+        async def main() -> None:
+            env = {"PATH": "/bin", "GREETING": "hi"}
+            async with factory_for({"/": [mini_rootfs, top]}, mode, env=env, cwd="/app") as boxes:  # type: ignore[arg-type]
+                box = await boxes.create()
+                assert await out(box, 'pwd; cat main.txt; echo "$GREETING"; echo /bin/*') == (
+                    "/app\nfrom the top layer\nhi\n/bin/bash /bin/cat /bin/rm /bin/sh\n"
+                )
+
+        run(main())
+    finally:
+        shutil.rmtree(top)
 
 
 def test_no_process_outlives_its_command(base: Path, mode: str) -> None:

@@ -217,8 +217,9 @@ class Cgroups:
                 if path not in made:
                     if not path.parent.exists():
                         path.parent.mkdir(exist_ok=True)
-                        if h.unified:
-                            _write(path.parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in _CONTROLLERS))
+                        for c, other in self._hierarchies.items():
+                            if other.unified:
+                                _write(path.parent / "cgroup.subtree_control", f"+{c}")
                     path.mkdir()
                     made.add(path)
                     dirs.append(path)

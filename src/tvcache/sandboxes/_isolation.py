@@ -24,6 +24,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import subprocess
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import Any, ClassVar
 from ._layers import LayerStore, is_empty, listing, merge_layers
 from ._layout import DEVICES, Layout, build_layout
 from ._mounts import HostMounter, Mounter, NamespaceMounter
+from ._rundir import mounts_below
 from ._shell import ShellState
 from ._syscalls import MS_BIND, MS_PRIVATE, MS_REC, mount
 from .base import SandboxError
@@ -198,6 +200,21 @@ class OverlayIsolation(Isolation):
 class UsernsIsolation(OverlayIsolation):
     mode = "userns"
 
+    def __init__(
+        self, run: Path, mounter: Mounter, workspace: dict[str, tuple[str, ...]], *args: Any, **kwargs: Any
+    ):
+        # In a user namespace the mounts below a directory are locked to it, and overlayfs refuses such a
+        # directory as a layer (it would show what they cover).
+        for lower in (d for dirs in workspace.values() for d in dirs):
+            below = [m for m in mounts_below(Path(lower)) if m != lower]
+            if below:
+                raise SandboxError(
+                    f"userns isolation cannot use {lower} as a layer: it has mounts below it ({', '.join(below[:3])}"
+                    f"{', ...' if len(below) > 3 else ''}); use overlay isolation (as root) or a directory without "
+                    "mounts inside"
+                )
+        super().__init__(run, mounter, workspace, *args, **kwargs)
+
 
 class LayeredRoot(SandboxRoot):
     """Overlays of the snapshot's layers and the layout's lower dirs, under upper dirs on the sandbox's tmpfs
@@ -322,12 +339,25 @@ class CopyIsolation(Isolation):
     mode = "copy"
 
     async def prepare(self) -> Snapshot:
+        lowers = [lower for mnt in self.layout.overlays for lower in mnt.lowers]
+        need = sum(await asyncio.gather(*(asyncio.to_thread(_du, lower) for lower in lowers)))
+        st = os.statvfs(self.run)
+        if need > st.f_bavail * st.f_frsize // 4:
+            raise SandboxError(
+                f"copy isolation copies the whole workspace into every sandbox and snapshot, and this one holds "
+                f"{need / 1e9:.1f} GB against {st.f_bavail * st.f_frsize / 1e9:.1f} GB free in {self.run.parent}: "
+                "use overlay or userns isolation, or a smaller workspace"
+            )
         template = self.run / "template"
         template.mkdir()
         for mnt in self.layout.overlays:
             dest = str(template) + (mnt.point if mnt.point != "/" else "")
-            for lower in mnt.lowers:
-                await copy_tree(lower, dest)
+            if len(mnt.lowers) == 1:
+                await copy_tree(mnt.lowers[0], dest)
+            else:
+                # Layers (an image's, say) hold whiteouts and opaque directories: flatten them as overlayfs
+                # would show them, rather than copy one over the other.
+                await asyncio.to_thread(_flatten, list(reversed(mnt.lowers)), dest, self.mounter.opaque_xattr)
         size, files = await asyncio.to_thread(_usage, str(template))
         return Snapshot(ShellState(cwd=b"/"), copy=template, size=size, files=files)
 
@@ -386,6 +416,21 @@ class CopiedRoot(SandboxRoot):
         await copy_tree(self.scratch(), str(dest))
         size, files = await asyncio.to_thread(_usage, str(dest))
         return Snapshot(state, copy=dest, size=size, files=files)
+
+
+def _flatten(layers_top_first: list[str], dest: str, opaque_xattr: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(dest)  # a mount point the skeleton made, empty: the layers give it its metadata
+    merge_layers(layers_top_first, [], dest, opaque_xattr)
+
+
+def _du(root: str) -> int:
+    """Bytes the files under `root` occupy, on its own filesystem only (as a copy would take them)."""
+    found = subprocess.run(["du", "-s", "-x", "-B1", root], capture_output=True, text=True, check=False)
+    try:
+        return int(found.stdout.split()[0])
+    except (IndexError, ValueError):
+        raise SandboxError(f"cannot measure {root}: {found.stderr.strip()}") from None
 
 
 def _usage(root: str) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from . import _syscalls as sc
 from ._cgroups import remove_tree
 
-__all__ = ["RunDir", "reap_stale"]
+__all__ = ["RunDir", "mounts_below", "reap_stale"]
 
 ROOT_NAME = "tvcache-workspace"
 
@@ -47,7 +47,8 @@ def _owner_alive(run_dir: Path) -> bool:
     return _start_time(int(pid_text)) == start
 
 
-def _mounts_below(path: Path) -> list[str]:
+def mounts_below(path: Path) -> list[str]:
+    """The mount points at or below `path`, deepest first."""
     prefix = str(path).rstrip("/") + "/"
     found = []
     with open("/proc/self/mountinfo") as f:
@@ -59,7 +60,7 @@ def _mounts_below(path: Path) -> list[str]:
 
 
 def _detach_all(path: Path) -> None:
-    for target in _mounts_below(path):
+    for target in mounts_below(path):
         with contextlib.suppress(OSError):
             sc.umount(target, sc.MNT_DETACH)
 
