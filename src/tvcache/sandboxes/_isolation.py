@@ -200,9 +200,7 @@ class OverlayIsolation(Isolation):
 class UsernsIsolation(OverlayIsolation):
     mode = "userns"
 
-    def __init__(
-        self, run: Path, mounter: Mounter, workspace: dict[str, tuple[str, ...]], *args: Any, **kwargs: Any
-    ):
+    def __init__(self, run: Path, mounter: Mounter, workspace: dict[str, tuple[str, ...]], *args: Any, **kwargs: Any):
         # In a user namespace the mounts below a directory are locked to it, and overlayfs refuses such a
         # directory as a layer (it would show what they cover).
         for lower in (d for dirs in workspace.values() for d in dirs):
