@@ -674,6 +674,9 @@ class DockerSandbox(ManagedSandbox):
         f = self._f
         if f._spare is self:
             f._spare = None
+        if self._running is not None:  # the kill `_interrupt` started: the container goes anyway
+            with contextlib.suppress(Exception):
+                await self._running
         try:
             with contextlib.suppress(SandboxError):
                 await f._pipeline.run(

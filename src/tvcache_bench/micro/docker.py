@@ -6,7 +6,7 @@ the daemon), in one run:
 - per backend, `DockerSandboxes` and `WorkspaceSandboxes.from_image`, the median of repeated
   create (a fresh sandbox), snapshot (of a 1 MB diff), restore (a sandbox from that snapshot) and one `true`;
 - container creations per second against concurrency 1 to 64 (each of c workers creates containers one
-  after the other; 2c creations, at least 16, per point), through the pipeline with its concurrency cap and
+  after the other; 2c creations, at least 32, per point), through the pipeline with its concurrency cap and
   retries, and with neither (the daemon on its own), with the failures of each: the published system's Figure 13.
 
 Targets: from_image snapshot and restore each under 5 ms and at least 50 times faster than a commit and a
@@ -111,7 +111,7 @@ async def _throughput(image: str, concurrency: int, limited: bool) -> dict[str, 
         boxes._pipeline = Pipeline(None, retries=0)  # the daemon on its own
     made: list[Any] = []
     failures = 0
-    total = max(16, 2 * concurrency)
+    total = max(32, 2 * concurrency)
     await boxes.create()  # set-up (reaping, the initial shell state) outside the timing
     queue = iter(range(total))
 
