@@ -6,7 +6,8 @@ this server plays one. Everything around it is real (the frameworks' own clients
 tvcache's sandboxes).
 
 A policy is a list of plans; a plan is the list of turns one rollout takes, each turn a list of tool calls
-`(name, arguments as the JSON text a model emits)`, and after the last turn the model answers `final` text.
+`(name, arguments as the JSON text a model emits)` or a text answer (for environments that parse actions out of
+text, as SkyRL's do), and after the last turn the model answers `final` text.
 The first request of a conversation (no assistant message yet) takes the next plan of its prompt, round robin,
 and the server marks its first assistant message `[plan k]`, so later requests of that conversation, which
 carry that message, continue the same plan. Which concurrent rollout gets which plan is up to the scheduler;
@@ -30,7 +31,7 @@ from typing import Any
 from aiohttp import web
 
 Call = tuple[str, str]  # (tool name, arguments as JSON text, possibly malformed)
-Plan = Sequence[Sequence[Call]]
+Plan = Sequence[Sequence[Call] | str]
 
 MARK = re.compile(r"\[plan (\d+)\]")
 
@@ -56,14 +57,17 @@ class ScriptedLLM:
             plan = int(found.group(1))
         turn = len(assistants)
         steps = self.plans[plan]
-        content = f"[plan {plan}] turn {turn}" if turn < len(steps) else f"[plan {plan}] {self.final(plan)}"
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if turn < len(steps):
-            message["tool_calls"] = [
-                {"id": f"call_{next(self._ids)}", "type": "function", "function": {"name": n, "arguments": a}}
-                for n, a in steps[turn]
-            ]
-        return message
+        step = steps[turn] if turn < len(steps) else None
+        mark = f"[plan {plan}] " if turn == 0 or step is None else ""
+        if isinstance(step, str):
+            return {"role": "assistant", "content": mark + step}
+        if step is None:
+            return {"role": "assistant", "content": mark + self.final(plan)}
+        calls = [
+            {"id": f"call_{next(self._ids)}", "type": "function", "function": {"name": n, "arguments": a}}
+            for n, a in step
+        ]
+        return {"role": "assistant", "content": f"{mark}turn {turn}", "tool_calls": calls}
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
