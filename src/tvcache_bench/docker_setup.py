@@ -1,7 +1,8 @@
 """Docker for the tests and `tvcache bench docker`: a daemon, and a Debian image built here (no registry needed).
 
 - `ensure_daemon()` returns once a Docker daemon answers, starting `dockerd --iptables=false --bridge=none` in
-  the background if none does (as root; it starts in about a second).
+  the background if none does (as root; it starts in about a second), with its data on tmpfs, where container
+  creation measured 1.2-1.5x faster than on this machine's disk (as .ci/run does).
 - `debian_base()` returns `tvcache-test/debian:bookworm`: a `debootstrap --variant=minbase` root (about
   150 MB) imported with `docker import`. The root's tarball is cached in ~/.cache/tvcache/, so only the first
   run on a machine spends the half minute debootstrap takes.
@@ -24,6 +25,7 @@ __all__ = ["BASE_IMAGE", "CACHE", "DockerUnavailable", "debian_base", "ensure_da
 BASE_IMAGE = "tvcache-test/debian:bookworm"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tvcache"
 MIRROR = "http://deb.debian.org/debian"
+DATA_ROOT = "/dev/shm/tvcache-docker"
 
 
 class DockerUnavailable(RuntimeError):
@@ -59,7 +61,7 @@ def ensure_daemon(timeout: float = 60.0) -> None:
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / "dockerd.log", "ab") as log:
         subprocess.Popen(
-            ["dockerd", "--iptables=false", "--bridge=none"],
+            ["dockerd", "--iptables=false", "--bridge=none", f"--data-root={DATA_ROOT}"],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
