@@ -351,6 +351,14 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         if snap is not None:
             await self._ctx.isolation.remove(self._ctx.isolation.release(snap))
 
+    @classmethod
+    async def from_image(cls, image: str | os.PathLike[str], **options: Any) -> WorkspaceSandboxes:
+        """Sandboxes whose root filesystem is a Docker or OCI image's own layers, started with its Env and
+        WorkingDir; `options` as for the constructor. See images.py."""
+        from .images import workspace_from_image
+
+        return await workspace_from_image(image, **options)
+
     def __repr__(self) -> str:
         return f"WorkspaceSandboxes({self.workspace!r}, mode={self.mode!r})"
 
