@@ -1,5 +1,5 @@
 """Sandbox backends. Each public module holds one backend; `base` holds the protocol they implement and
-`lifecycle` the open/close/snapshot-record code they share; `_`-modules are the workspace backend's parts."""
+`lifecycle` the open/close/snapshot-record code they share; `_`-modules are the backends' private parts."""
 
 from .base import Outcome, Output, Sandbox, SandboxError, Sandboxes
 
