@@ -51,6 +51,7 @@ BENCHES = {
     "sandbox": "workspace sandbox create / snapshot / restore / exec next to cp -a of the same base",
     "server": "the shared server's lookups/s and latency at 1, 8 and 32 clients and at 256 requests/s",
     "redis": "lookups/s through the Redis store at 1 and 32 clients",
+    "remote": "a sandbox through tvcache sandbox-server (loopback and veth) next to in-process: latency, calls/s",
     "docker": "Docker containers next to the same image's layers in workspace sandboxes; creations/s by concurrency",
 }
 
@@ -157,7 +158,7 @@ def _check(args: argparse.Namespace, command: str) -> None:
             _fail(command, f"--base {args.base} is not a directory: name the tree to measure, or leave --base out")
         if workload in ("quick", "sql", "swe", "airline"):
             workloads_dir()
-        if workload == "server":
+        if workload in ("server", "remote"):
             require("server", "this command", "uvicorn", "uvloop", "httptools", "prometheus_client")
             require("client", "this command", "aiohttp")
         if workload == "redis":
@@ -217,6 +218,10 @@ def _bench(args: argparse.Namespace) -> Any:
         from .micro import redis
 
         return redis.run()
+    if workload == "remote":
+        from .micro import remote
+
+        return remote.run()
     if workload == "docker":
         from .micro import docker
 

@@ -1,0 +1,319 @@
+"""`tvcache bench remote`: what a sandbox costs through `tvcache sandbox-server`, against the same backend in
+the caller's process.
+
+The backend is `SQLiteSandboxes` over a small generated database; each call is a primary-key lookup that takes
+tens of microseconds, so what differs between the rows is the path to the sandbox, not the work in it. The
+server runs in its own process on one core, the client in another process on the other core (as a rollout
+worker would), and in one run the client measures:
+
+- per-call latency of `execute`: in its own process, through the server over loopback, and over a veth pair
+  between two network namespaces (as root; a real network stack between two "hosts", without a wire);
+- create, snapshot, restore and close through the server, next to the same in its own process;
+- calls per second with 32 concurrent rollouts, each executing in its own sandbox back to back.
+
+The overhead of a remote call is its p50 minus the in-process p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["run"]
+
+ROWS = 2000  # rows of the generated table
+CALLS = 2000  # sequential calls per latency figure
+OPS = 150  # creates, snapshots, restores, closes per latency figure
+ROLLOUTS = 32
+SECONDS = 3.0  # per throughput figure
+VETH = "10.232.0"  # the two namespaces' private /30: .1 the server, .2 the client
+
+
+# -- the client process ------------------------------------------------------------------------------------
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+    return {"p50_ms": pick(0.5), "p90_ms": pick(0.9), "p99_ms": pick(0.99), "n": len(ordered)}
+
+
+async def _timed(n: int, step: Callable[[int], Awaitable[Any]]) -> dict[str, float]:
+    samples = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        await step(i)
+        samples.append(time.perf_counter() - t0)
+    return _percentiles(samples)
+
+
+def _call(i: int) -> Any:
+    from tvcache import ToolCall
+
+    return ToolCall("sql", {"query": f"SELECT v FROM t WHERE id = {i % ROWS + 1}"})
+
+
+def _write() -> Any:
+    from tvcache import ToolCall
+
+    return ToolCall("sql", {"query": "UPDATE t SET v = v + 1 WHERE id = 1"})
+
+
+async def _measure(factory: Any) -> dict[str, Any]:
+    """Every figure for one sandbox factory (local or remote)."""
+    calls = [_call(i) for i in range(CALLS)]
+    box = await factory.create()
+    for call in calls[:200]:  # warm up: connections, caches, the server's first requests
+        await box.execute(call)
+    figures: dict[str, Any] = {"execute": await _timed(CALLS, lambda i: box.execute(calls[i]))}
+    await box.execute(_write())  # a written database, so snapshots copy it
+    made: list[Any] = []
+    figures["create"] = await _timed(OPS, lambda i: _append(made, factory.create()))
+    figures["close"] = await _timed(OPS, lambda i: made[i].close())
+    snapshots: list[str] = []
+    figures["snapshot"] = await _timed(OPS, lambda i: _append(snapshots, box.snapshot()))
+    restored: list[Any] = []
+    figures["restore"] = await _timed(OPS, lambda i: _append(restored, factory.restore(snapshots[i])))
+    for other in restored:
+        await other.close()
+    for snapshot in snapshots:
+        await factory.delete(snapshot)
+    await box.close()
+    figures["calls_per_second"] = await _throughput(factory)
+    return figures
+
+
+async def _append(into: list[Any], making: Awaitable[Any]) -> None:
+    into.append(await making)
+
+
+async def _throughput(factory: Any) -> float:
+    boxes = [await factory.create() for _ in range(ROLLOUTS)]
+    done = 0
+    stop = time.perf_counter() + SECONDS
+
+    async def rollout(k: int) -> None:
+        nonlocal done
+        i = k * 61
+        while time.perf_counter() < stop:
+            await boxes[k].execute(_call(i))
+            done += 1
+            i += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(rollout(k) for k in range(ROLLOUTS)))
+    elapsed = time.perf_counter() - t0
+    for box in boxes:
+        await box.close()
+    return done / elapsed
+
+
+async def _client(url: str | None, db: str, token: str | None) -> dict[str, Any]:
+    import tvcache
+
+    factory: Any = tvcache.RemoteSandboxes(url, token=token) if url else tvcache.SQLiteSandboxes(db)
+    try:
+        return await _measure(factory)
+    finally:
+        await factory.close()
+
+
+def _client_main(argv: list[str]) -> None:
+    import uvloop
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url")
+    parser.add_argument("--db", required=True)
+    args = parser.parse_args(argv)
+    print(json.dumps(uvloop.run(_client(args.url, args.db, os.environ.get("TVCACHE_TOKEN")))))
+
+
+# -- the benchmark -----------------------------------------------------------------------------------------
+
+
+def _pin(pid: int, cpu: int) -> None:
+    if (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(pid, {cpu})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _make_db(path: Path) -> None:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v INTEGER, name TEXT)")
+    conn.executemany("INSERT INTO t (v, name) VALUES (?, ?)", ((i * 7 % 1000, f"row {i}") for i in range(ROWS)))
+    conn.commit()
+    conn.close()
+
+
+@contextlib.contextmanager
+def _server(db: Path, host: str, prefix: list[str], token: str) -> Iterator[str]:
+    """A sandbox server of `db` on `host` (run under `prefix`), pinned to the first core; its URL."""
+    port = _free_port()
+    command = [*prefix, sys.executable, "-m", "tvcache.server", "sandbox-server", "--sandbox", "sqlite"]
+    command += ["--base", str(db), "--host", host, "--port", str(port), "--log-level", "warning"]
+    env = {**os.environ, "TVCACHE_TOKEN": token}
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _pin(proc.pid, 0)
+    url = f"http://{host}:{port}"
+    try:
+        _await_health(proc, url, prefix, token)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _await_health(proc: subprocess.Popen[bytes], url: str, prefix: list[str], token: str) -> None:
+    probe = f"import urllib.request as u; u.urlopen('{url}/healthz', timeout=1)"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            raise RuntimeError(f"the sandbox server exited at start:\n{err[-2000:]}")
+        if prefix:
+            if subprocess.run([*prefix, sys.executable, "-c", probe], capture_output=True).returncode == 0:
+                return
+        else:
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/healthz", timeout=1):
+                return
+        time.sleep(0.05)
+    raise RuntimeError("the sandbox server did not start within 30 s")
+
+
+def _measure_in_client(db: Path, url: str | None, prefix: list[str], token: str) -> dict[str, Any]:
+    command = [*prefix, sys.executable, "-m", "tvcache_bench.micro.remote", "client", "--db", str(db)]
+    if url:
+        command += ["--url", url]
+    env = {**os.environ, "TVCACHE_TOKEN": token}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _pin(proc.pid, 1)
+    out, err = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the client process failed:\n{err[-3000:]}")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+@contextlib.contextmanager
+def _veth_pair() -> Iterator[tuple[list[str], list[str]] | None]:
+    """Two network namespaces joined by a veth pair (server side, client side), or None where that is not
+    possible (not root, no iproute2)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        yield None
+        return
+    names = [f"tvbench{os.getpid()}-{side}" for side in ("server", "client")]
+    made: list[str] = []
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    try:
+        for name in names:
+            ip("netns", "add", name)
+            made.append(name)
+        ip("link", "add", "name", "eth0", "netns", names[0], "type", "veth", "peer", "name", "eth0", "netns", names[1])
+        for k, name in enumerate(names):
+            ip("-n", name, "addr", "add", f"{VETH}.{k + 1}/30", "dev", "eth0")
+            ip("-n", name, "link", "set", "eth0", "up")
+            ip("-n", name, "link", "set", "lo", "up")
+        yield ["ip", "netns", "exec", names[0]], ["ip", "netns", "exec", names[1]]
+    finally:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def run(console: Console | None = None) -> dict[str, Any]:
+    """Measure, print the tables, return the figures."""
+    console = console or Console()
+    token = secrets.token_hex(16)
+    scratch = Path(
+        tempfile.mkdtemp(prefix="tvcache-bench-remote-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    )
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        db = scratch / "bench.sqlite"
+        _make_db(db)
+        results["in-process"] = _measure_in_client(db, None, [], token)
+        with _server(db, "127.0.0.1", [], token) as url:
+            results["loopback"] = _measure_in_client(db, url, [], token)
+        with _veth_pair() as pair:
+            if pair is not None:
+                server_side, client_side = pair
+                with _server(db, f"{VETH}.1", server_side, token) as url:
+                    results["veth"] = _measure_in_client(db, url, client_side, token)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    _print(results, console)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    console.print(
+        f"overhead: the path's p50 minus the in-process p50. {CALLS} sequential calls per latency, {OPS} of each "
+        f"operation, {ROLLOUTS} rollouts for {SECONDS:g} s; server and client pinned to separate cores.\n"
+        f"{'' if 'veth' in results else 'veth: skipped (needs root and iproute2). '}"
+        f"{os.cpu_count()} CPUs; 1-minute load average at the end: {load:.2f}"
+    )
+    return {"paths": results, "cpus": os.cpu_count(), "loadavg": load}
+
+
+def _print(results: dict[str, dict[str, Any]], console: Console) -> None:
+    local = results["in-process"]
+    calls = Table(title="SQLiteSandboxes execute: in the client's process, and through a sandbox server")
+    for column in ("path", "p50 ms", "p90 ms", "p99 ms", "overhead p50 ms", f"calls/s, {ROLLOUTS} rollouts"):
+        calls.add_column(column, justify="left" if column == "path" else "right")
+    for path, figures in results.items():
+        e = figures["execute"]
+        overhead = "-" if path == "in-process" else f"{e['p50_ms'] - local['execute']['p50_ms']:.3f}"
+        calls.add_row(
+            path,
+            f"{e['p50_ms']:.3f}",
+            f"{e['p90_ms']:.3f}",
+            f"{e['p99_ms']:.3f}",
+            overhead,
+            f"{figures['calls_per_second']:,.0f}",
+        )
+    console.print(calls)
+    ops = Table(title="Sandbox operations, p50 ms (p90)")
+    ops.add_column("path")
+    for op in ("create", "snapshot", "restore", "close"):
+        ops.add_column(op, justify="right")
+    for path, figures in results.items():
+        ops.add_row(
+            path,
+            *(
+                f"{figures[op]['p50_ms']:.2f} ({figures[op]['p90_ms']:.2f})"
+                for op in ("create", "snapshot", "restore", "close")
+            ),
+        )
+    console.print(ops)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["client"]:
+        _client_main(sys.argv[2:])
+    else:
+        run()
