@@ -63,7 +63,7 @@ class SecondDaemon:
     shared one. It gets the base image from the cached rootfs tarball."""
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="tvcache-dockerd-", dir="/var/tmp"))
+        self.dir = Path(tempfile.mkdtemp(prefix="tvcache-dockerd-", dir="/dev/shm"))
         self.exec_root = Path(tempfile.mkdtemp(prefix="tvcd-", dir="/run"))  # short: socket paths are limited
         self.socket = self.exec_root / "docker.sock"
         self.url = f"unix://{self.socket}"

@@ -33,6 +33,7 @@ from sandbox_oracle import check_snapshots_against_fresh_replay
 from tvcache import SandboxError, ToolCall
 from tvcache.sandboxes import images
 from tvcache.sandboxes.docker import DockerSandbox, DockerSandboxes, build_image
+from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
 
 def run(coro: Any) -> Any:
@@ -286,7 +287,7 @@ def test_cache_results_equal_fresh_containers(task_image: str) -> None:
 
 def test_from_image_results_equal_fresh_containers(task_image: str) -> None:
     async def main() -> int:
-        async with await images.workspace_from_image(task_image) as boxes, DockerSandboxes(task_image) as oracle:
+        async with await WorkspaceSandboxes.from_image(task_image) as boxes, DockerSandboxes(task_image) as oracle:
             return await cached_rollouts_wrong(boxes, oracle, rollout_plan(11, 5, 8), rounds=2)
 
     assert run(main()) == 0
@@ -476,11 +477,12 @@ def test_from_image_reads_daemon_layers_docker_save_and_oci_layouts(task_image: 
 
     async def answer(image: Any) -> tuple[str, tuple[str, ...]]:
         root = await images.image_root(image)
-        async with await images.workspace_from_image(image) as boxes:
+        async with await WorkspaceSandboxes.from_image(image) as boxes:
             return await out(await boxes.create(), listing), root.layers
 
     got, layers = run(answer(task_image))
-    assert got == expected and all(layer.startswith("/var/lib/docker/overlay2/") for layer in layers)
+    root = subprocess.check_output(["docker", "info", "-f", "{{.DockerRootDir}}"], text=True).strip()
+    assert got == expected and all(layer.startswith(f"{root}/overlay2/") for layer in layers)  # used in place
     saved = tmp_path / "image.tar"
     subprocess.run(["docker", "save", "-o", str(saved), task_image], check=True)
     cache = tmp_path / "layers"
@@ -512,9 +514,9 @@ def test_bad_input_gets_clear_errors(task_image: str, docker_base: str, tmp_path
         DockerSandboxes(task_image, docker_url="unix:///nonexistent/docker.sock")
     user_image = dockerfile_image(docker_base, "RUN useradd -m agent\nUSER agent\n", tmp_path / "user")
     with pytest.raises(ValueError, match="runs as user 'agent'"):
-        run(images.workspace_from_image(user_image))
+        run(WorkspaceSandboxes.from_image(user_image))
     with pytest.raises(ValueError, match="does not exist"):
-        run(images.workspace_from_image(tmp_path / "missing"))
+        run(WorkspaceSandboxes.from_image(tmp_path / "missing"))
 
     async def main() -> None:
         async with DockerSandboxes(user_image) as boxes:

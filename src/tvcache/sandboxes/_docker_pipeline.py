@@ -14,14 +14,14 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiodocker
 import aiohttp
 
 from .base import SandboxError
 
-__all__ = ["Pipeline", "describe", "is_transient"]
+__all__ = ["Pipeline", "describe", "inspect_image", "is_transient"]
 
 T = TypeVar("T")
 
@@ -46,6 +46,18 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, aiodocker.DockerError):
         return f"the Docker daemon answered {exc.status}: {exc.message}"
     return f"{type(exc).__name__}: {exc}"
+
+
+async def inspect_image(docker: aiodocker.Docker, image: str) -> dict[str, Any]:
+    """The daemon's record of `image`; ValueError if it has none, SandboxError if the daemon fails."""
+    try:
+        return await docker.images.inspect(image)
+    except aiodocker.DockerError as exc:
+        if exc.status == 404:
+            raise ValueError(f"no image {image!r} on the Docker daemon (build, load or import it first)") from exc
+        raise SandboxError(f"docker: inspecting image {image!r} failed: {describe(exc)}") from exc
+    except Exception as exc:
+        raise SandboxError(f"docker: inspecting image {image!r} failed: {describe(exc)}") from exc
 
 
 class Pipeline:

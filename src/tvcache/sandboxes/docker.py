@@ -74,7 +74,7 @@ import aiodocker
 from ..calls import ToolCall
 from . import _fastpaths as fast
 from ._docker_exec import kill_everything, run_bash
-from ._docker_pipeline import Pipeline, describe
+from ._docker_pipeline import Pipeline, describe, inspect_image
 from ._docker_run import RUN_LABEL, SNAPSHOT_REPO, new_run, reap_dead_runs, remove_run
 from ._layers import is_empty, listing
 from ._shell import ShellState
@@ -282,14 +282,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         self.max_layers = max_layers
         self.docker_url = docker_url
         self._pipeline = Pipeline(create_concurrency)
-        try:
-            info = _blocking(lambda docker: docker.images.inspect(image), docker_url)
-        except aiodocker.DockerError as exc:
-            if exc.status == 404:
-                raise ValueError(f"no image {image!r} on the Docker daemon (build or load it first)") from exc
-            raise SandboxError(f"docker: inspecting image {image!r} failed: {describe(exc)}") from exc
-        except Exception as exc:
-            raise SandboxError(f"docker: inspecting image {image!r} failed: {describe(exc)}") from exc
+        info = _blocking(lambda docker: inspect_image(docker, image), docker_url)
         config = info.get("Config") or {}
         self.image_id: str = info["Id"]
         self._depth = len((info.get("RootFS") or {}).get("Layers") or [])
@@ -438,6 +431,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
             "User": self.user,
             "Hostname": "sandbox",
             "OpenStdin": True,
+            "StopSignal": "SIGKILL",  # nothing inside needs a graceful stop; a daemon shutdown waits for none
             "Labels": self._labels,
             "HostConfig": host_config,
         }

@@ -233,17 +233,10 @@ def _read_archive(path: Path) -> ImageRoot:
 async def _from_daemon(image: str, docker_url: str | None) -> ImageRoot:
     import aiodocker
 
-    from ._docker_pipeline import describe
+    from ._docker_pipeline import inspect_image
 
     async with aiodocker.Docker(url=docker_url) as docker:
-        try:
-            info = await docker.images.inspect(image)
-        except aiodocker.DockerError as exc:
-            if exc.status == 404:
-                raise ValueError(f"no image {image!r} on the Docker daemon, and no such file or directory") from exc
-            raise SandboxError(f"docker: inspecting {image!r} failed: {describe(exc)}") from exc
-        except Exception as exc:
-            raise SandboxError(f"docker: inspecting {image!r} failed: {describe(exc)}") from exc
+        info = await inspect_image(docker, image)  # ValueError also when `image` was meant as a missing path
         env, cwd, user = _config_start(info.get("Config") or {})
         dirs = await asyncio.to_thread(_layer_dirs, info)
         if dirs is not None:
