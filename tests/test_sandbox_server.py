@@ -25,6 +25,7 @@ import pytest
 
 import kv
 import tvcache
+from docker_env import docker_base_fixture, task_image_fixture  # noqa: F401  (fixtures)
 from sandbox_oracle import check_snapshots_against_fresh_replay
 from server_helpers import SandboxServer, assert_schemathesis_finds_nothing, assert_slow_clients_are_cut_off, request
 from test_oracle import SQL_READS, SQL_WRITES, run_plan, small_db, sql_plan  # noqa: F401  (small_db: a fixture)
@@ -175,6 +176,30 @@ def test_clients_of_servers_with_other_bases_are_refused(tmp_path: Path, db: Pat
             remote(one, two)
         status, body = request(one, "POST", "/v1/create", {"fingerprint": "sqlite-v1-" + "0" * 32})
         assert status == 409 and "fingerprint" in body["error"]
+
+
+def test_docker_sandboxes_through_the_server(tmp_path: Path, task_image: str) -> None:
+    """The Docker backend served: snapshots and restores through the server answer as a fresh container
+    replaying the same history does."""
+    steps: list[tuple[str, Any]] = [
+        ("call", ToolCall("bash", {"command": "cat README && echo one > notes && export STEP=1"})),
+        ("restore", None),
+        ("call", ToolCall("bash", {"command": "echo $STEP; cat notes; rm README; ls"})),
+        ("call", ToolCall("read_file", {"path": "/testbed/notes"})),
+        ("rewind", 0),
+        ("call", ToolCall("bash", {"command": "ls; echo $STEP"})),
+    ]
+    with SandboxServer(tmp_path, ["--sandbox", "docker", "--image", task_image, "--timeout", "60"]) as server:
+
+        async def main() -> None:
+            boxes = tvcache.RemoteSandboxes(server.url)
+            try:
+                await check_snapshots_against_fresh_replay(boxes, steps)
+            finally:
+                await boxes.close()
+
+        asyncio.run(main())
+        assert listing(server)["sandboxes"] == []
 
 
 # -- losing a server -------------------------------------------------------------------------------------
@@ -381,6 +406,7 @@ def test_command_line_refusals(db: Path) -> None:
     assert "--sandbox sqlite needs --base FILE" in run("--sandbox", "sqlite")
     assert "is not a directory" in run("--sandbox", "workspace", "--base", str(db))
     assert "expected python:module:factory" in run("--sandbox", "python:nomodule")
+    assert "--sandbox docker needs --image IMAGE" in run("--sandbox", "docker")
 
 
 def test_schemathesis_finds_no_failure_in_the_api(tmp_path: Path, db: Path) -> None:

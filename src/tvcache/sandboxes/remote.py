@@ -40,11 +40,10 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-import aiohttp
 import msgspec
-from yarl import URL
 
 from ..calls import ToolCall
+from ..extras import require
 from ..graph import decode_output
 from .base import Outcome, SandboxError
 from .remote_wire import (
@@ -60,6 +59,11 @@ from .remote_wire import (
     SnapshotRequest,
     server_of,
 )
+
+require("client", "tvcache.RemoteSandboxes", "aiohttp")
+
+import aiohttp  # noqa: E402  (after the check that names the extra to install)
+from yarl import URL  # noqa: E402
 
 __all__ = ["RemoteSandbox", "RemoteSandboxes"]
 

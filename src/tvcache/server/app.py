@@ -219,12 +219,10 @@ class CacheApp(JSONApi):
 
     async def _healthz(self, req: None, receive: Receive) -> HealthReply:
         """200 while the store answers; 503 with the reason when it does not (a down Redis, a locked file)."""
-        ping = getattr(self.store, "ping", None)  # Store.ping is newer than some stores
-        if ping is not None:
-            try:
-                await asyncio.wait_for(ping(), HEALTH_TIMEOUT)
-            except TimeoutError:
-                raise StoreError(f"the store did not answer a ping within {HEALTH_TIMEOUT:g} s") from None
+        try:
+            await asyncio.wait_for(self.store.ping(), HEALTH_TIMEOUT)
+        except TimeoutError:
+            raise StoreError(f"the store did not answer a ping within {HEALTH_TIMEOUT:g} s") from None
         return _HEALTHY
 
 

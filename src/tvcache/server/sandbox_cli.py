@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         require("server", "the sandbox server", "uvicorn", "uvloop", "httptools", "prometheus_client")
     except MissingExtra as exc:
         raise SystemExit(f"tvcache sandbox-server: {exc}") from None
+    from ..sandboxes.base import SandboxError
     from .cli import server_limits
     from .factories import open_sandboxes
     from .run import serve_sandboxes
@@ -59,6 +60,6 @@ def run(args: argparse.Namespace) -> int:
         serve_sandboxes(
             factory, args.host, args.port, args.token, log_level=args.log_level, access_log=args.access_log, **limits
         )
-    except (ValueError, OSError) as exc:  # a bad kind, path or limit, or a refused bind: no traceback
+    except (ValueError, TypeError, OSError, SandboxError) as exc:  # a bad kind, path, image or limit: no traceback
         raise SystemExit(f"tvcache sandbox-server: {exc}") from None
     return 0
