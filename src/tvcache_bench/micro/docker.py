@@ -34,7 +34,7 @@ from tvcache.sandboxes._docker_pipeline import Pipeline
 from tvcache.sandboxes.docker import CREATE_CONCURRENCY, DockerSandboxes, build_image
 from tvcache.sandboxes.images import workspace_from_image
 
-from ..docker_setup import debian_base
+from ..docker_setup import DockerUnavailable, debian_base
 
 __all__ = ["bench_image", "main", "print_tables", "run", "write_chart"]
 
@@ -263,7 +263,10 @@ def write_chart(result: dict[str, Any], directory: str | Path) -> Path:
 
 
 async def main(charts: str | None = None) -> dict[str, Any]:
-    result = await run()
+    try:
+        result = await run()
+    except DockerUnavailable as exc:
+        raise SystemExit(f"tvcache bench docker: error: {exc}") from None
     print_tables(result)
     if charts:
         print(f"chart: {write_chart(result, charts)}")
