@@ -1,0 +1,312 @@
+"""verifiers (v1): a task whose agent's `bash` and `edit` calls, and whose own runtime commands, go through tvcache.
+
+    import verifiers.v1 as vf
+    from tvcache.integrations.verifiers import CachedTask
+
+    class FixTask(CachedTask, MyTask):                 # the mixin first; MyTask is an ordinary vf.Task
+        def tvcache_sandboxes(self) -> tvcache.Sandboxes:
+            return process_sandboxes("repo", lambda: tvcache.WorkspaceSandboxes("repo/"))
+
+Nothing else changes: the taskset, the harness (any that consults verifiers' tool gate, as the bundled `bash`
+harness does), the runtime and the rewards are the task's own.
+
+**The agent's tools.** A verifiers harness asks the rollout's tool gate before it executes a call; the gate runs the
+task's `@vf.intercept` request hooks, and a hook that puts a result in the call's place makes the harness show the
+model that result instead of executing the call. `CachedTask` adds such a hook: every `bash` and `edit` call the
+model makes is executed by this trace's tvcache rollout, in its workspace sandbox, and the harness executes nothing.
+`bash` runs in a fresh shell started in the sandbox's working directory, as the harness runs each command (`cd`
+and exports do not carry over), and answers the output; `edit` is the harness's single-occurrence replacement,
+with its messages, run inside the sandbox. Calls whose arguments are not a JSON object, and other tools (MCP
+toolsets), are left to the harness. The harness's runtime still hosts the harness program itself.
+
+**The task's own commands.** `setup`, `finalize`, `stage_verifier` and the task's `@vf.reward` / `@vf.metric`
+functions receive, as `runtime`, a view whose `run`, `read` and `write` are calls of the same rollout: setup
+uploads are cached per task, and the tests a reward runs execute once per final state, however many rollouts end
+there. A reward that fails (a timeout) is not cached.
+
+**Ids.** The task id is the task's own stable `Task.key` (its data's content hash unless the task overrides it), the
+same in every epoch and every worker, different for different tasks. Each trace gets its own rollout, opened in
+`setup` and closed after scoring. Per-rollout values never enter a key: the call ids the harness sends are not
+part of a call, and the model's arguments are keyed as canonical JSON; the runtime view keys a command by its
+argv and the environment it is given (not the harness's endpoint, secrets or trace id, which only the harness's
+own runtime sees).
+
+**The cache.** `tvcache_cache()` defaults to `process_cache()`: the `TVCACHE_URL` store, else memory per process
+(verifiers runs rollouts in env-server workers, which then share one graph only through a store URL).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import posixpath
+import shlex
+import weakref
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..extras import require
+
+require("verifiers", "tvcache.integrations.verifiers", "verifiers.v1")
+
+import verifiers.v1 as vf  # noqa: E402
+from verifiers.v1.utils.loaders import harness_class  # noqa: E402
+
+from ..cache import ToolCache  # noqa: E402
+from ..calls import Tools  # noqa: E402
+from ..rollout import Result, Rollout  # noqa: E402
+from ..sandboxes.base import Sandboxes  # noqa: E402
+from .process import process_cache  # noqa: E402
+
+__all__ = ["CachedRuntime", "CachedTask"]
+
+#: The harness tools `CachedTask` executes (the bundled bash harness's names).
+HARNESS_TOOLS = frozenset({"bash", "edit"})
+
+# The bash harness's `edit`, run inside the sandbox so that files of any size are edited whole. Its arguments
+# arrive base64-encoded JSON in argv; its messages are the harness's.
+_EDIT = r"""
+import base64, json, sys
+from pathlib import Path
+a = json.loads(base64.b64decode(sys.argv[1]))
+path, old, new = a.get("path"), a.get("old_str"), a.get("new_str")
+def edit():
+    if not isinstance(path, str) or not path:
+        return "error: 'path' is required"
+    if not isinstance(old, str) or not isinstance(new, str):
+        return "error: 'old_str' and 'new_str' must be strings"
+    if not old:
+        return "error: 'old_str' must be a non-empty string"
+    file = Path(path) if Path(path).is_absolute() else Path.cwd() / path
+    if not file.exists():
+        return f"error: {path} not found"
+    try:
+        content = file.read_text()
+    except Exception as e:
+        return f"error: could not read {path}: {e}"
+    count = content.count(old)
+    if count != 1:
+        return f"error: old_str must appear exactly once in {path} (found {count})"
+    try:
+        file.write_text(content.replace(old, new, 1))
+    except Exception as e:
+        return f"error: could not write {path}: {e}"
+    return f"Edited {path}"
+sys.stdout.write(edit())
+"""
+
+
+@dataclass
+class _Open:
+    """A trace's tvcache rollout while the trace runs, and what its calls found in the cache."""
+
+    rollout: Rollout
+    leave: Any
+    trace: weakref.ref[vf.Trace]
+    workdir: str | None
+    calls: int = 0
+    hits: int = 0
+
+    async def call(self, tool: str, args: dict[str, Any]) -> Result:
+        result = await self.rollout.call(tool, args)
+        self.calls += 1
+        self.hits += result.hit
+        return result
+
+
+_open: dict[str, _Open] = {}
+
+
+class CachedTask(vf.Task):
+    """A mixin for `vf.Task` subclasses (put it first in the bases); see the module docstring.
+
+    Override `tvcache_sandboxes()` (a factory whose sandboxes have `bash`, such as `WorkspaceSandboxes`; the same
+    object for every rollout of a task, see `process_sandboxes`); optionally `tvcache_cache()`, `tvcache_task()`
+    and `tvcache_tools` (annotations: read-only or uncacheable tools, key functions)."""
+
+    tvcache_tools: ClassVar[Tools | None] = None
+
+    def tvcache_sandboxes(self) -> Sandboxes:
+        raise NotImplementedError(f"{type(self).__name__} must define tvcache_sandboxes()")
+
+    def tvcache_cache(self) -> ToolCache:
+        return process_cache()
+
+    def tvcache_task(self) -> str:
+        return str(self.key)
+
+    # -- the lifecycle: a rollout per trace, from setup to scoring ------------------------------------------
+
+    async def setup(self, trace: vf.Trace, runtime: vf.Runtime) -> None:
+        await _close_finished()
+        harness = trace.agent.config.harness if trace.agent is not None else None
+        if harness is not None and not harness_class(harness.id).SUPPORTS_TOOL_INTERCEPTION:
+            raise vf.TaskError(
+                f"harness {harness.id!r} does not consult verifiers' tool gate, so its tool calls cannot run "
+                "through tvcache; use a harness that does (bash, null, codex, claude_code, pi, kimi_code)"
+            )
+        sandboxes = self.tvcache_sandboxes()
+        manager = self.tvcache_cache().rollout(self.tvcache_task(), sandboxes, self.tvcache_tools)
+        rollout = await manager.__aenter__()
+        _open[trace.id] = _Open(rollout, manager.__aexit__, weakref.ref(trace), getattr(sandboxes, "cwd", None))
+        await super().setup(trace, self._view(trace, runtime))
+
+    async def finalize(self, trace: vf.Trace, runtime: vf.Runtime) -> None:
+        await super().finalize(trace, self._view(trace, runtime))
+
+    async def stage_verifier(self, trace: vf.Trace, runtime: vf.Runtime) -> None:
+        await super().stage_verifier(trace, self._view(trace, runtime))
+
+    async def score(self, trace: vf.Trace, runtime: vf.Runtime | None = None) -> None:
+        """The task's scoring, its commands through the rollout; then the trace's cache metrics: `tvcache_calls`
+        and `tvcache_hits` over the whole rollout, and the same for scoring alone."""
+        opened = _open.get(trace.id)
+        try:
+            calls, hits = (opened.calls, opened.hits) if opened else (0, 0)
+            await super().score(trace, None if runtime is None else self._view(trace, runtime))
+            if opened is not None:
+                trace.record_metrics(
+                    {
+                        "tvcache_calls": opened.calls,
+                        "tvcache_hits": opened.hits,
+                        "tvcache_scoring_calls": opened.calls - calls,
+                        "tvcache_scoring_hits": opened.hits - hits,
+                    }
+                )
+        finally:
+            await _close(trace.id)
+
+    def _view(self, trace: vf.Trace, runtime: vf.Runtime) -> vf.Runtime:
+        opened = _open.get(trace.id)
+        return runtime if opened is None else CachedRuntime(runtime, opened)
+
+    # -- the agent's tools, at the tool gate ---------------------------------------------------------------
+
+    @vf.intercept
+    async def tvcache_tool_calls(self, request: vf.Request, trace: vf.Trace) -> vf.Request | None:
+        """Answer a proposed `bash` or `edit` call with its result from this trace's rollout."""
+        messages = request.messages
+        probe = messages[-1] if messages else None
+        opened = _open.get(trace.id)
+        if opened is None or not isinstance(probe, vf.ToolMessage) or probe.content != "":
+            return None  # not a gate probe (a user turn, or a result the harness already has)
+        call = _proposed(messages[:-1], probe.tool_call_id)
+        if call is None or call.name not in HARNESS_TOOLS:
+            return None
+        try:
+            args = json.loads(call.arguments or "{}")
+        except ValueError:
+            return None  # the harness answers malformed arguments itself, executing nothing
+        if not isinstance(args, dict):
+            return None
+        text = await _run_tool(opened, call.name, args)
+        # An empty result would read as "no verdict" and the harness would execute the call itself.
+        content: vf.MessageContent = text if text else [vf.TextContentPart(text="")]
+        answered = probe.model_copy(update={"content": content})
+        return request.model_copy(update={"messages": [*messages[:-1], answered]})
+
+
+def _proposed(messages: list[Any], call_id: str) -> Any:
+    """The tool call `call_id` of the last assistant message."""
+    for message in reversed(messages):
+        if isinstance(message, vf.AssistantMessage):
+            return next((c for c in message.tool_calls or [] if c.id == call_id), None)
+    return None
+
+
+async def _run_tool(opened: _Open, name: str, args: dict[str, Any]) -> str:
+    if name == "bash":
+        command = args.get("command", "")
+        if not isinstance(command, str):
+            return f"error: the command must be a string, got {type(command).__name__}"
+        return _text(await opened.call("bash", {"command": _from_workdir(opened.workdir, command)}))
+    encoded = base64.b64encode(json.dumps(args).encode()).decode()
+    edit = f"python3 -c {shlex.quote(_EDIT)} {encoded}"
+    return _text(await opened.call("bash", {"command": _from_workdir(opened.workdir, edit)}))
+
+
+def _from_workdir(workdir: str | None, command: str) -> str:
+    """`command` as the harness runs it: in a fresh shell (a subshell here) started in the working directory, so
+    neither its `cd` nor its exports carry over to the next command."""
+    start = "" if workdir is None else f"cd {shlex.quote(workdir)} || exit\n"
+    return f"(\n{start}{command}\n)"
+
+
+def _text(result: Result) -> str:
+    """A sandbox's bash result as the harness shows a command's result: its output."""
+    out = result.output
+    if isinstance(out, dict):
+        text = str(out.get("output", ""))
+        return f"{text}error: {out['error']}" if "error" in out else text
+    return out if isinstance(out, str) else json.dumps(out)
+
+
+async def _close(trace_id: str) -> None:
+    opened = _open.pop(trace_id, None)
+    if opened is not None:
+        await opened.leave(None, None, None)
+
+
+async def _close_finished() -> None:
+    """Close the rollouts of traces that ended without scoring (a failed rollout skips it)."""
+    for trace_id, opened in list(_open.items()):
+        trace = opened.trace()
+        if trace is None or trace.is_completed:
+            await _close(trace_id)
+
+
+class CachedRuntime(vf.Runtime):
+    """A view of a rollout's runtime for the task's own hooks: `run`, `read` and `write` are calls of the trace's
+    tvcache rollout (bash, read_file, write_file), relative paths and commands from the sandbox's working
+    directory; everything else is the real runtime's."""
+
+    def __init__(self, real: vf.Runtime, opened: _Open) -> None:
+        super().__init__(real.name)
+        self.env = dict(real.env)
+        self.user, self.home = real.user, real.home
+        self._real, self._opened, self._workdir = real, opened, opened.workdir
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)  # config, info, and whatever else a hook reads
+
+    async def start(self) -> None:
+        """The view starts nothing: the rollout's sandbox is made when a call needs it."""
+
+    async def alive(self) -> bool:
+        return True
+
+    async def run(self, argv: list[str], env: dict[str, str]) -> vf.ProgramResult:
+        command = shlex.join(argv)
+        variables = self.process_env(env)
+        if variables:
+            command = f"env {' '.join(shlex.quote(f'{k}={v}') for k, v in sorted(variables.items()))} {command}"
+        result = await self._opened.call("bash", {"command": _from_workdir(self._workdir, command)})
+        out = result.output if isinstance(result.output, dict) else {}
+        code = out.get("exit_code")
+        if result.error or code is None:
+            return vf.ProgramResult(exit_code=124, stdout=str(out.get("output", "")), stderr=str(out.get("error", "")))
+        return vf.ProgramResult(exit_code=int(code), stdout=str(out.get("output", "")), stderr="")
+
+    def _path(self, path: str) -> str:
+        # From the working directory the runtime started in, wherever the agent's commands left the shell.
+        return path if self._workdir is None else posixpath.join(self._workdir, path)
+
+    async def _read(self, path: str, max_bytes: int | None = None) -> bytes:
+        result = await self._opened.call("read_file", {"path": self._path(path)})
+        out = result.output if isinstance(result.output, dict) else {}
+        if "content" not in out:
+            raise vf.SandboxError(f"read {path!r}: {out.get('error', result.output)}")
+        data = str(out["content"]).encode()
+        return data if max_bytes is None else data[:max_bytes]
+
+    async def write(self, path: str, data: bytes) -> None:
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:  # binary: through base64 in a shell, since write_file takes text
+            encoded = base64.b64encode(data).decode()
+            command = f"printf %s {encoded} | base64 -d > {shlex.quote(self._path(path))}"
+            result = await self._opened.call("bash", {"command": _from_workdir(self._workdir, command)})
+        else:
+            result = await self._opened.call("write_file", {"path": self._path(path), "content": text})
+        if result.error or (isinstance(result.output, dict) and "error" in result.output):
+            raise vf.SandboxError(f"write {path!r}: {result.output}")

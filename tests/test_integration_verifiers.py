@@ -1,0 +1,147 @@
+"""verifiers v1: the example's task run by verifiers' own machinery (`vf.Agent`, its interception server and tool
+gate, the bundled `bash` harness program in a subprocess runtime, task setup and rewards) with the `CachedTask`
+drop-in on real workspace sandboxes, against the same rollouts of the plain task, as verifiers alone runs them.
+
+The model is the one stand-in: a scripted policy behind an OpenAI-compatible endpoint (tests/frameworks.py). The
+harness program runs under uv, as verifiers runs it (its dependencies come from PyPI the first time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+from typing import Any
+
+import pytest
+
+import tvcache
+
+vf = pytest.importorskip("verifiers.v1", reason="needs verifiers (pip install 'tvcache[verifiers]')")
+if shutil.which("uv") is None:
+    pytest.skip("verifiers' bash harness runs its program with uv (pip install uv)", allow_module_level=True)
+
+from frameworks import ScriptedLLM, load_example, plan_of  # noqa: E402
+from tvcache.integrations import process_sandboxes  # noqa: E402
+from tvcache.integrations.verifiers import CachedTask  # noqa: E402
+
+example = load_example("verifiers_task")
+
+
+def bash(command: str) -> tuple[str, str]:
+    return ("bash", json.dumps({"command": command}))
+
+
+def edit(old: str, new: str) -> tuple[str, str]:
+    return ("edit", json.dumps({"path": "slug.py", "old_str": old, "new_str": new}))
+
+
+BUGGY = "return re.sub(r'[^a-z0-9]', '-', title.lower())"
+FIX = edit(BUGGY, "return '-'.join(re.findall(r'[a-z0-9]+', title.lower()))")
+PLANS = [
+    [[bash("ls")], [bash("cat slug.py")], [FIX]],  # fixes it: 3 of 3
+    [[bash("ls")]],  # looks and stops: 1 of 3
+    [[("bash", '{ "command" :\n "ls" }')], [FIX]],  # the same `ls` in another JSON layout; ends as plan 0
+    [[("bash", '{"command": "ls"')]],  # malformed arguments: the harness's own error; ends as plan 1
+    [[bash("printf '%s' " + "x" * 100_000 + " | wc -c")], [FIX]],  # a huge argument; ends as plan 0
+    [[edit("no such text", "x")]],  # an edit that fails, with the harness's message; ends as plan 1
+    [[bash("sed -i 's/-/_/' slug.py && python3 -c 'import slug; print(slug.slugify(\"A B\"))'")]],  # 0 of 3
+    [[bash("rm slug.py"), bash("ls")]],  # two calls in one turn; the project is gone: 0
+]
+FINAL_STATES = 4  # fixed, untouched, underscored, removed
+
+
+def tool_results(trace: Any) -> list[str]:
+    return [vf.types.content_text(n.message.content) for n in trace.nodes if isinstance(n.message, vf.ToolMessage)]
+
+
+def first_answer(trace: Any) -> str:
+    return next(n.message.content for n in trace.nodes if isinstance(n.message, vf.AssistantMessage))
+
+
+def test_verifiers_rollouts_through_tvcache_match_verifiers_alone_and_hit_later() -> None:
+    async def main() -> tuple[list[Any], list[Any]]:
+        async with ScriptedLLM(PLANS) as llm:
+            alone = await example.main(llm.url, "scripted-policy", rollouts=len(PLANS), epochs=1, cached=False)
+            cached = await example.main(llm.url, "scripted-policy", rollouts=len(PLANS), epochs=2, cached=True)
+        return alone[0], cached
+
+    alone, epochs = asyncio.run(main())
+    oracle = {plan_of(first_answer(t)): t for t in alone}
+    assert all(t.ok for t in alone), [t.errors for t in alone]
+    assert [oracle[k].reward for k in range(len(PLANS))] == [1.0, 1 / 3, 1.0, 1 / 3, 1.0, 1 / 3, 0.0, 0.0]
+    assert tool_results(oracle[3])[0].startswith("error: invalid JSON in tool arguments")
+    assert tool_results(oracle[4])[0].strip() == "100000"
+
+    for epoch, traces in enumerate(epochs):
+        assert all(t.ok for t in traces), [t.errors for t in traces]
+        by_plan = {plan_of(first_answer(t)): t for t in traces}
+        assert sorted(by_plan) == list(range(len(PLANS)))
+        for k, trace in by_plan.items():
+            assert tool_results(trace) == tool_results(oracle[k]), (epoch, k)
+            assert trace.reward == oracle[k].reward, (epoch, k)
+            assert trace.task.key == oracle[k].task.key  # one task: the task's own key
+        graded_here = [t for t in traces if t.metrics["tvcache_scoring_hits"] < t.metrics["tvcache_scoring_calls"]]
+        calls = sum(t.metrics["tvcache_calls"] for t in traces)
+        hits = sum(t.metrics["tvcache_hits"] for t in traces)
+        if epoch == 0:
+            assert len(graded_here) == FINAL_STATES  # rollouts that end in the same state are graded once
+            assert 0 < hits < calls
+        else:
+            assert not graded_here and hits == calls  # every call of the second epoch, setup to reward, hits
+
+
+class SlowRewardTask(CachedTask, example.FixSlugTask):
+    """The example task, but its tests hang: the runtime's timeout fails them."""
+
+    def tvcache_sandboxes(self) -> tvcache.Sandboxes:
+        return process_sandboxes("slow-reward", lambda: tvcache.WorkspaceSandboxes(tempfile.mkdtemp(), timeout=1))
+
+    @vf.reward
+    async def tests_pass(self, trace: vf.Trace, runtime: vf.Runtime) -> float:
+        result = await runtime.run(["sleep", "30"], {})
+        return 1.0 if result.exit_code == 0 else 0.0
+
+
+def run_agent(task: Any, harness: str = "bash", rollouts: int = 1) -> list[Any]:
+    """`rollouts` rollouts of `task`, one after the other, with a model that answers at once."""
+
+    async def main() -> list[Any]:
+        async with ScriptedLLM([[]]) as llm:
+            config = vf.AgentConfig(
+                model="scripted-policy",
+                harness={"id": harness},
+                runtime=vf.SubprocessConfig(),
+                client=vf.EvalClientConfig(base_url=llm.url, api_key_var="OPENAI_API_KEY"),
+            )
+            async with vf.Agent(config) as agent:
+                return [await agent.run(task) for _ in range(rollouts)]
+
+    return asyncio.run(main())
+
+
+def test_a_failing_reward_is_not_cached() -> None:
+    data = example.SlugData(idx=0, id="slow", prompt="Fix slug.py.")
+    for trace in run_agent(SlowRewardTask(data), rollouts=2):
+        assert trace.ok and trace.reward == 0.0
+        # The hanging test command timed out in both rollouts: executed each time, never served from the cache.
+        assert trace.metrics["tvcache_scoring_calls"] == 1 and trace.metrics["tvcache_scoring_hits"] == 0
+
+
+def test_a_harness_that_does_not_consult_the_tool_gate_is_refused() -> None:
+    # Every harness without the gate needs a container runtime (none here), so the task's setup is called as a
+    # rollout calls it, on a trace of such an agent.
+    task = example.task(cached=True)
+    config = vf.AgentConfig(model="m", harness={"id": "mini_swe_agent"}, runtime=vf.SubprocessConfig())
+    trace = vf.Trace(
+        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        state=vf.State(),
+        agent=vf.AgentInfo(config=config),
+    )
+
+    async def main() -> None:
+        with pytest.raises(vf.TaskError, match="tool gate"):
+            await task.setup(trace, None)
+
+    asyncio.run(main())
