@@ -18,18 +18,16 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import tvcache
-from test_workspace import AVAILABLE, TMP, bash, factory_for, out, run
+from test_workspace import AVAILABLE, MODES, TMP, bash, factory_for, out, run, small_base, usable
 from tvcache import SandboxError, ToolCall
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
-
-# The `mode` (every isolation mode that works here) and `base` (a small task directory) fixtures.
-pytest_plugins = ["test_workspace"]
 
 ROOT = os.geteuid() == 0
 
@@ -51,6 +49,18 @@ EXPECTED_CAPS = {
 }
 NEVER_CAPS = {"dac_read_search": 2, "net_admin": 12, "sys_module": 16, "sys_rawio": 17, "sys_chroot": 18}
 NEVER_CAPS |= {"sys_ptrace": 19, "sys_admin": 21, "sys_boot": 22, "mknod": 27, "bpf": 39}
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    """Every isolation mode that works here."""
+    return usable(str(request.param))
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    with small_base() as path:
+        yield path
 
 
 # -- /proc ------------------------------------------------------------------------------------------------

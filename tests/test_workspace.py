@@ -7,6 +7,7 @@ namespaces; copy needs bind mounts); a mode that cannot work is skipped with the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import random
@@ -53,16 +54,16 @@ def _probe_modes() -> dict[str, str | None]:
 AVAILABLE = _probe_modes()
 
 
-@pytest.fixture(params=MODES)
-def mode(request: pytest.FixtureRequest) -> str:
-    reason = AVAILABLE[request.param]
+def usable(mode: str) -> str:
+    """`mode`, or a skip saying why it does not work here."""
+    reason = AVAILABLE[mode]
     if reason is not None:
-        pytest.skip(f"{request.param} isolation does not work here: {reason}")
-    return str(request.param)
+        pytest.skip(f"{mode} isolation does not work here: {reason}")
+    return mode
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
+@contextlib.contextmanager
+def small_base() -> Iterator[Path]:
     """A small task directory: files at the top, a nested one, and a directory to delete."""
     path = Path(tempfile.mkdtemp(prefix="tvcache-ws-base-", dir=TMP))
     (path / "README").write_text("the readme\n")
@@ -71,8 +72,21 @@ def base() -> Iterator[Path]:
     (path / "data").mkdir()
     for name in ("a.txt", "b.txt"):
         (path / "data" / name).write_text(f"{name} from base\n")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    return usable(str(request.param))
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    with small_base() as path:
+        yield path
 
 
 def tree_digest(path: Path) -> str:
@@ -402,7 +416,8 @@ def test_network_is_cut_unless_asked_for(base: Path, mode: str) -> None:
                 python3 -c 'import socket
                 s = socket.socket(); s.bind(("127.0.0.1", 8765)); s.listen(); print("up", flush=True)
                 c, _ = s.accept(); c.sendall(b"inner\\n")' &
-                sleep 0.3; exec 3<>/dev/tcp/127.0.0.1/8765 && head -1 <&3""")
+                for i in $(seq 300); do { exec 3<>/dev/tcp/127.0.0.1/8765; } 2>/dev/null && break; sleep 0.05; done
+                head -1 <&3""")
             assert await out(box, serve) == "up\ninner\n"
         async with factory_for(base, mode, network=True) as boxes:
             box = await boxes.create()

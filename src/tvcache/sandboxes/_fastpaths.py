@@ -22,15 +22,34 @@ import posixpath
 import stat
 from typing import Any
 
+from ..calls import ToolCall
 from ._shell import BoundedOutput, truncated_text
 from ._syscalls import openat2
 
-__all__ = ["list_dir", "read_file", "write_file"]
+__all__ = ["TOOLS", "checked_args", "list_dir", "read_file", "write_file"]
+
+#: The tools of a shell sandbox (workspace, docker): a shell command and the three file tools.
+TOOLS = ("bash", "read_file", "write_file", "list_dir")
+_ARGS = {"bash": ("command",), "read_file": ("path",), "write_file": ("path", "content"), "list_dir": ("path",)}
 
 
-def _sandbox_path(cwd: bytes, path: str) -> bytes:
+def checked_args(call: ToolCall, backend: str) -> dict[str, Any]:
+    """The call's args, if it is one of TOOLS with its string arguments; else a ValueError saying what is
+    wrong (a mistake of the caller, not an answer of the sandbox)."""
+    if call.tool not in TOOLS:
+        raise ValueError(f"{backend} sandboxes have the tools {', '.join(TOOLS)}; got {call.tool!r}")
+    args = call.args
+    if not isinstance(args, dict):
+        raise ValueError(f"{call.tool} takes a JSON object of arguments, got the text {call.key[:200]}")
+    for key in _ARGS[call.tool]:
+        if not isinstance(args.get(key), str):
+            raise ValueError(f"{call.tool} needs a string argument {key!r}, got args {call.key[:200]}")
+    return args
+
+
+def _sandbox_path(cwd: bytes, path: str) -> str:
     raw = os.fsencode(path)
-    return raw if raw.startswith(b"/") else posixpath.join(cwd, raw)
+    return os.fsdecode(raw if raw.startswith(b"/") else posixpath.join(cwd, raw))
 
 
 def _error(exc: OSError, path: str) -> dict[str, Any]:
@@ -41,35 +60,60 @@ def _open_root(root: str) -> int:
     return os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-class _NotRegular(Exception):
+class _Answer(Exception):
+    """An ordinary failure, answered to the caller as {"error": ...}."""
+
     def __init__(self, answer: dict[str, Any]):
         self.answer = answer
 
 
-def _reopen(path_fd: int, path: str, flags: int) -> int:
-    """Open the inode behind an O_PATH descriptor with `flags`, if it is a regular file; closes `path_fd`."""
+def _check_regular(fd: int, path: str) -> None:
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode):
+        raise _Answer({"error": f"Is a directory: {path}"})
+    if not stat.S_ISREG(mode):
+        raise _Answer({"error": f"Not a regular file: {path}"})
+
+
+def _open_file(root: str, cwd: bytes, path: str, flags: int, *, create: bool = False) -> int:
+    """Open the regular file at `path` in the sandbox (made, with its parents, when `create` and missing);
+    raises _Answer for anything else there."""
+    target = _sandbox_path(cwd, path)
+    rfd = _open_root(root)
     try:
-        mode = os.fstat(path_fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise _NotRegular({"error": f"Is a directory: {path}"})
-        if not stat.S_ISREG(mode):
-            raise _NotRegular({"error": f"Not a regular file: {path}"})
-        return os.open(f"/proc/self/fd/{path_fd}", flags | os.O_CLOEXEC)
+        if create:
+            _ensure_parents(rfd, posixpath.dirname(os.fsencode(target)))
+        try:
+            path_fd = openat2(rfd, target, os.O_PATH)
+        except FileNotFoundError:
+            if not create:
+                raise
+            # Nothing there (or a dangling symlink, whose target it creates, inside the root): a new file,
+            # which no process could have made into anything else meanwhile (none runs between calls).
+            fd = openat2(rfd, target, flags | os.O_CREAT | os.O_NONBLOCK, 0o644)
+            try:
+                _check_regular(fd, path)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+        try:
+            _check_regular(path_fd, path)
+            return os.open(f"/proc/self/fd/{path_fd}", flags | os.O_CLOEXEC)  # the very inode checked
+        finally:
+            os.close(path_fd)
+    except OSError as exc:
+        raise _Answer(_error(exc, path)) from exc
     finally:
-        os.close(path_fd)
+        os.close(rfd)
 
 
 def read_file(root: str, cwd: bytes, path: str, limit: int) -> dict[str, Any]:
     """The file's text; beyond `limit` bytes its middle is cut out as in bash output."""
-    rfd = _open_root(root)
     try:
-        fd = _reopen(openat2(rfd, os.fsdecode(_sandbox_path(cwd, path)), os.O_PATH), path, os.O_RDONLY)
-    except _NotRegular as refused:
-        return refused.answer
-    except OSError as exc:
-        return _error(exc, path)
-    finally:
-        os.close(rfd)
+        fd = _open_file(root, cwd, path, os.O_RDONLY)
+    except _Answer as failed:
+        return failed.answer
     try:
         st = os.fstat(fd)
         if st.st_size > limit:
@@ -106,26 +150,11 @@ def _ensure_parents(rfd: int, parent: bytes) -> None:
 
 
 def write_file(root: str, cwd: bytes, path: str, content: str) -> dict[str, Any]:
-    target = os.fsdecode(_sandbox_path(cwd, path))
     data = content.encode(errors="surrogateescape")
-    rfd = _open_root(root)
     try:
-        _ensure_parents(rfd, posixpath.dirname(os.fsencode(target)))
-        try:
-            fd = _reopen(openat2(rfd, target, os.O_PATH), path, os.O_WRONLY | os.O_TRUNC)
-        except FileNotFoundError:
-            # Nothing there (or a dangling symlink, whose target it creates, inside the root): a new file,
-            # which no process could have made into anything else meanwhile (none runs between calls).
-            fd = openat2(rfd, target, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o644)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                return {"error": f"Not a regular file: {path}"}
-    except _NotRegular as refused:
-        return refused.answer
-    except OSError as exc:
-        return _error(exc, path)
-    finally:
-        os.close(rfd)
+        fd = _open_file(root, cwd, path, os.O_WRONLY | os.O_TRUNC, create=True)
+    except _Answer as failed:
+        return failed.answer
     try:
         view = memoryview(data)
         while view:
@@ -140,7 +169,7 @@ def write_file(root: str, cwd: bytes, path: str, content: str) -> dict[str, Any]
 def list_dir(root: str, cwd: bytes, path: str) -> dict[str, Any]:
     rfd = _open_root(root)
     try:
-        fd = openat2(rfd, os.fsdecode(_sandbox_path(cwd, path)), os.O_RDONLY | os.O_DIRECTORY)
+        fd = openat2(rfd, _sandbox_path(cwd, path), os.O_RDONLY | os.O_DIRECTORY)
     except OSError as exc:
         return _error(exc, path)
     finally:

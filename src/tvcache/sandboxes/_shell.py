@@ -30,7 +30,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BoundedOutput", "CommandResult", "ShellState", "run_bash", "truncated_text"]
+__all__ = ["BoundedOutput", "CommandResult", "ShellState", "run_bash", "state_prelude", "truncated_text"]
 
 #: The file descriptor the EXIT trap writes the shell state to; high so scripts' own `exec 3>...` miss it.
 STATE_FD = 253
@@ -131,6 +131,13 @@ def _prelude(state: ShellState, cgroup_fds: Sequence[int], state_fd: int) -> byt
     if state_fd != STATE_FD:  # after the joins: STATE_FD may have been one of theirs
         lines.append(f"exec {STATE_FD}>&{state_fd} {state_fd}>&-".encode())
     lines.append(f"printf {_STARTED.decode()} >&{STATE_FD}".encode())
+    return b"\n".join(lines) + b"\n" + state_prelude(state)
+
+
+def state_prelude(state: ShellState) -> bytes:
+    """Script lines that put a fresh bash where the last command left it (exports, working directories) and
+    set the EXIT trap that saves its state to STATE_FD: for any backend that runs commands this way."""
+    lines = []
     if state.exports is not None:
         lines.append(b"{\n" + state.exports + b"\n} 2>/dev/null")
     lines.append(b"cd -- " + bash_quote(state.cwd) + b" 2>/dev/null || cd /")

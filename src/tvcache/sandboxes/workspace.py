@@ -92,7 +92,7 @@ Isolation = Literal["auto", "overlay", "userns", "copy"]
 PathLike = str | os.PathLike[str]
 BaseSpec = PathLike | Sequence[PathLike] | Mapping[str, PathLike | Sequence[PathLike]]
 
-TOOLS = ("bash", "read_file", "write_file", "list_dir")
+TOOLS = fast.TOOLS
 DEFAULT_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/root",
@@ -399,10 +399,6 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
             raise
         return box
 
-    def _register(self, snap: Snapshot) -> str:
-        self._ctx.isolation.acquire(snap)
-        return self._keep(snap)
-
 
 def _degraded(cgroups: Cgroups, no_seccomp: str, *, memory: int | None, processes: int | None) -> dict[str, str]:
     """What this machine cannot enforce of what was asked, and why; logged once per process and reason."""
@@ -468,15 +464,7 @@ class WorkspaceSandbox(ManagedSandbox):
         )
 
     async def execute(self, call: ToolCall) -> Outcome:
-        tool, args = call.tool, call.args
-        if tool not in TOOLS:
-            raise ValueError(f"workspace sandboxes have the tools {', '.join(TOOLS)}; got {tool!r}")
-        if not isinstance(args, dict):
-            raise ValueError(f'{tool} needs JSON object args like {{"command": ...}}, got text {call.key[:200]}')
-        wanted = {"bash": ("command",), "read_file": ("path",), "write_file": ("path", "content")}
-        for key in wanted.get(tool, ("path",)):
-            if not isinstance(args.get(key), str):
-                raise ValueError(f"{tool} needs a string argument {key!r}, got args {call.key[:200]}")
+        tool, args = call.tool, fast.checked_args(call, "workspace")
         async with self._turn():
             state = self._state
             root = self.root
@@ -525,7 +513,9 @@ class WorkspaceSandbox(ManagedSandbox):
 
     async def snapshot(self) -> str:
         async with self._turn():
-            return self._factory._register(await self._fs.freeze(self._state))
+            snap = await self._fs.freeze(self._state)
+            self._ctx.isolation.acquire(snap)
+            return self._factory._keep(snap)
 
     async def _release(self) -> None:
         try:
