@@ -76,6 +76,7 @@ MARGIN = 5.0  # an execute's deadline: the server's own (its call timeout and a 
 MAX_REPLY = 64 << 20  # a 16 MiB output is ~22 MB as base64
 IDLE_SECONDS = 30.0  # idle pooled connections close before the server's keep-alive (75 s) would close them
 DEFAULT_CALL_TIMEOUT = 600.0  # until a server has told its own
+PROBE_TIMEOUT = 10.0  # the constructor's blocking question to each server
 
 _encoder = msgspec.json.Encoder()
 _errors = msgspec.json.Decoder(ErrorReply)
@@ -126,8 +127,9 @@ class RemoteSandboxes:
     `timeout`: seconds for the operations other than execute (create, restore, snapshot, ...);
     `connect_timeout`: seconds to open a connection.
 
-    The constructor asks every server what it serves (a blocking request each, in parallel) and raises
-    `SandboxError` if none answers, `ValueError` if they serve different starting states.
+    The constructor asks every server what it serves (a blocking request each, in parallel, for at most 10 s:
+    construct it before a busy event loop depends on it) and raises `SandboxError` if none answers, `ValueError`
+    if they serve different starting states.
     """
 
     def __init__(
@@ -156,7 +158,7 @@ class RemoteSandboxes:
         self._servers = [_Server(url) for url in self.urls]
         self._by_id: dict[str, _Server] = {}
         self._fingerprint = ""
-        self._first_probe(timeout)
+        self._first_probe(min(timeout, PROBE_TIMEOUT))
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closer: AsyncGenerator[None, None] | None = None
