@@ -259,3 +259,62 @@ def test_async_tools_and_stateless_tools_are_memos() -> None:
             assert cache.stats()["executions"] == 3  # no state: each distinct call ran once, in any order
 
     asyncio.run(main())
+
+
+# --- the custom-loop example: its main path, against the same calls executed without a cache ----------------
+
+
+def test_the_custom_loop_example_matches_uncached_execution_and_grades_each_final_state_once() -> None:
+    from frameworks import ScriptedLLM, load_example, plan_of
+
+    example = load_example("custom_loop")
+
+    def call(name: str, **args: Any) -> tuple[str, str]:
+        return (name, json.dumps(args))
+
+    details, cancel = (
+        call("get_reservation_details", reservation_id="4WQ150"),
+        call("cancel_reservation", reservation_id="4WQ150"),
+    )
+    search = call("search_direct_flight", origin="DFW", destination="LAX", date="2024-05-22")
+    plans = [
+        [[details], [cancel]],  # cancels
+        [[details]],  # only looks
+        [[("cancel_reservation", '{ "reservation_id" : "4WQ150" }')]],  # cancels, the JSON laid out otherwise
+        [[("cancel_reservation", '{"reservation_id": 4WQ150}')]],  # malformed JSON: an error, nothing changes
+        [[search], [cancel], [cancel]],  # cancels, then is told it is already cancelled
+        [[call("cancel_reservation", reservation_id="NOSUCH")]],  # an unknown reservation
+        [[details, search]],  # two calls in one turn
+        [[details], [cancel]],  # plan 0 again
+    ]
+
+    async def uncached(plan: list[list[tuple[str, str]]]) -> tuple[list[Any], float]:
+        box = await example.TOOLS.sandboxes.create()
+        try:
+            outputs = [(await box.execute(tvcache.ToolCall(n, a))).output for turn in plan for n, a in turn]
+            graded = await box.execute(tvcache.ToolCall("grade_cancelled", {"reservation_id": "4WQ150"}))
+            return outputs, graded.output
+        finally:
+            await box.close()
+
+    async def main() -> tuple[list[list[dict[str, Any]]], list[tuple[list[Any], float]]]:
+        async with ScriptedLLM(plans) as llm:
+            groups = await example.main(llm.url, "scripted-policy", rollouts=len(plans), epochs=2)
+        return groups, [await uncached(plan) for plan in plans]
+
+    groups, oracle = asyncio.run(main())
+    assert [reward for _, reward in oracle] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    assert str(oracle[3][0][0]).startswith("error: the arguments of cancel_reservation are not a JSON object")
+    for epoch, group in enumerate(groups):
+        by_plan = {plan_of(g["messages"][2]["content"]): g for g in group}
+        assert sorted(by_plan) == list(range(len(plans)))
+        for k, rollout in by_plan.items():
+            assert [r.output for r in rollout["results"]] == oracle[k][0], (epoch, k)
+            assert rollout["reward"] == oracle[k][1], (epoch, k)
+        graded_here = [g for g in group if not g["graded"].hit]
+        results = [r for g in group for r in g["results"]]
+        if epoch == 0:
+            assert len(graded_here) == 2  # two final states: cancelled, untouched
+            assert 0 < sum(r.hit for r in results) < len(results)
+        else:
+            assert not graded_here and all(r.hit for r in results)
