@@ -108,3 +108,35 @@ def test_art_rollouts_through_tvcache_match_uncached_rollouts_and_hit_later() ->
                 assert hits == calls - 1  # all but the malformed call, which the sandbox refuses every time
 
     asyncio.run(main())
+
+
+def test_task_ids_come_from_the_scenario_content() -> None:
+    import numpy as np
+    import pydantic
+
+    from tvcache.integrations import task_key
+    from tvcache.integrations.art import cached_rollout
+
+    class Email(pydantic.BaseModel):  # ART•E-style scenarios are pydantic models
+        id: int
+        question: str
+        inbox: list[str]
+
+    a, b = Email(id=1, question="When is the offsite?", inbox=["x"]), Email(id=2, question="Who signs?", inbox=["x"])
+    assert task_key(a) == task_key(Email(id=1, question="When is the offsite?", inbox=["x"]))  # every epoch
+    assert task_key(a) != task_key(b)
+    assert task_key(example.Scenario("fix it")) == task_key(example.Scenario("fix it"))  # dataclasses
+    assert task_key(example.Scenario("fix it")) != task_key(example.Scenario("fix it", max_turns=3))
+    row = {"question": "q", "embedding": np.array([0.5, 1.5]), "step_uid": "a1"}
+    assert task_key(row, ignore={"step_uid"}) == task_key({**row, "step_uid": "b2"}, ignore={"step_uid"})
+    assert task_key("task-17") == "task-17" and task_key(17) == "17"
+    with pytest.raises(TypeError, match="JSON values"):
+        task_key({"handle": object()})
+
+    with pytest.raises(TypeError, match="async"):
+        cached_rollout(sandboxes=lambda s: None)(lambda model, scenario: None)  # type: ignore[arg-type]
+
+    async def no_scenario(model: object, task: object) -> None: ...
+
+    with pytest.raises(TypeError, match="no parameter 'scenario'"):
+        cached_rollout(sandboxes=lambda s: None)(no_scenario)  # type: ignore[arg-type]
