@@ -36,6 +36,7 @@ import random
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -286,7 +287,10 @@ class RemoteSandboxes:
         server.held.add(sandbox)
         if self._heartbeat is None or self._heartbeat.done():
             self._heartbeat = asyncio.get_running_loop().create_task(self._renew_leases())
-        return RemoteSandbox(self, server, sandbox)
+        box = RemoteSandbox(self, server, sandbox)
+        # One dropped without close() is no longer renewed: its server closes it when the lease runs out.
+        weakref.finalize(box, server.held.discard, sandbox)
+        return box
 
     async def _renew_leases(self) -> None:
         """Renew the leases of the sandboxes held here, so the servers do not close those that sit unused for
