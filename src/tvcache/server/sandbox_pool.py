@@ -122,8 +122,8 @@ class SandboxPool:
         max_output: int = DEFAULT_MAX_OUTPUT,
         timeout: float | None = None,
     ):
-        if not lease > 0 or max_sandboxes < 1 or max_snapshots < 0 or max_output < 1024:
-            raise ValueError("lease must be > 0, max_sandboxes >= 1, max_snapshots >= 0 and max_output >= 1024")
+        if not lease > 0 or max_sandboxes < 1 or max_snapshots < 1 or max_output < 1024:
+            raise ValueError("lease must be > 0, max_sandboxes and max_snapshots >= 1, and max_output >= 1024")
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.factory = factory
