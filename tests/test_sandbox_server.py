@@ -308,6 +308,31 @@ def test_a_full_server_refuses_and_the_client_goes_to_another(tmp_path: Path, db
         assert asyncio.run(main()) == {free.url}
 
 
+def test_snapshots_past_the_limit_are_evicted_oldest_first(tmp_path: Path, db: Path) -> None:
+    with sqlite_server(tmp_path, db, "--max-snapshots", "2") as server:
+
+        async def main() -> list[str]:
+            boxes = remote(server)
+            try:
+                box = await boxes.create()
+                snapshots = []
+                for value in (1, 2, 3):
+                    await box.execute(sql(f"INSERT INTO t (v) VALUES ({value})"))
+                    snapshots.append(await box.snapshot())
+                with pytest.raises(SandboxError, match="404"):
+                    await boxes.restore(snapshots[0])
+                sums = []
+                for snapshot in snapshots[1:]:
+                    restored = await boxes.restore(snapshot)
+                    sums.append(str((await restored.execute(sql("SELECT sum(v) FROM t"))).output))
+                return sums
+            finally:
+                await boxes.close()
+
+        assert [s.splitlines()[-1].strip() for s in asyncio.run(main())] == ["10", "13"]
+        assert "tvcache_sandbox_evicted_total 1.0" in request(server, "GET", "/metrics")[1]
+
+
 def test_outputs_are_bounded(tmp_path: Path) -> None:
     with SandboxServer(tmp_path, ["--sandbox", "python:server_helpers:sandboxes"]) as server:
 
