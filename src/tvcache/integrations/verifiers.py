@@ -37,6 +37,7 @@ own runtime sees).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import posixpath
@@ -248,10 +249,14 @@ async def _close(trace_id: str) -> None:
 
 
 async def _close_finished() -> None:
-    """Close the rollouts of traces that ended without scoring (a failed rollout skips it)."""
+    """Close the rollouts of traces that ended without scoring (a failed rollout skips it); forget those of event
+    loops that are gone."""
+    loop = asyncio.get_running_loop()
     for trace_id, opened in list(_open.items()):
         trace = opened.trace()
-        if trace is None or trace.is_completed:
+        if opened.rollout.loop.is_closed():
+            _open.pop(trace_id, None)
+        elif opened.rollout.loop is loop and (trace is None or trace.is_completed):
             await _close(trace_id)
 
 
