@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+pytest.importorskip("aiodocker", reason="the docker extra is not installed (pip install -e '.[docker]')")
+
 # docker_base, task_image and second_daemon are fixtures, asked for by name below.
 import tvcache
 from docker_env import (  # noqa: F401

@@ -84,8 +84,9 @@ from .lifecycle import ManagedSandbox, ManagedSandboxes
 __all__ = ["CREATE_CONCURRENCY", "TOOLS", "DockerSandbox", "DockerSandboxes", "build_image"]
 
 TOOLS = ("bash", "read_file", "write_file", "list_dir")
-#: Heavy daemon operations at once: the saturation point `tvcache bench docker` measured (see the README).
-CREATE_CONCURRENCY = 8
+#: Heavy daemon operations at once: where `tvcache bench docker` saw the daemon's creations per second stop
+#: growing with concurrency on a 2-core machine (see the README); more in flight only makes each one slower.
+CREATE_CONCURRENCY = 16
 BUILD_REPO = "tvcache-build"
 #: PID 1 of every container: a shell blocked reading its (open, never written) stdin. A bash as PID 1 reaps
 #: orphans, and `kill -9 -1` inside the container cannot touch it.
