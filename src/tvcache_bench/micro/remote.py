@@ -2,16 +2,15 @@
 the caller's process.
 
 The backend is `SQLiteSandboxes` over a small generated database; each call is a primary-key lookup that takes
-tens of microseconds, so what differs between the rows is the path to the sandbox, not the work in it. The
+tens of microseconds, so what differs between the sides is the path to the sandbox, not the work in it. The
 server runs in its own process on one core, the client in another process on the other core (as a rollout
-worker would), and in one run the client measures:
+worker would). Over loopback, and over a veth pair between two network namespaces (as root: a real network
+stack between two "hosts", without a wire), the client measures a remote factory and a local one of the same
+database, taking turns call by call so that both see the same moments of the machine's other work:
 
-- per-call latency of `execute`: in its own process, through the server over loopback, and over a veth pair
-  between two network namespaces (as root; a real network stack between two "hosts", without a wire);
-- create, snapshot, restore and close through the server, next to the same in its own process;
+- per-call latency of `execute`; the overhead of a remote call is its p50 minus the local p50;
+- create, snapshot, restore and close;
 - calls per second with 32 concurrent rollouts, each executing in its own sandbox back to back.
-
-The overhead of a remote call is its p50 minus the in-process p50.
 """
 
 from __future__ import annotations
@@ -30,14 +29,16 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.table import Table
 
 __all__ = ["run"]
+
+T = TypeVar("T")
 
 ROWS = 2000  # rows of the generated table
 CALLS = 2000  # sequential calls per latency figure
@@ -60,13 +61,21 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50_ms": pick(0.5), "p90_ms": pick(0.9), "p99_ms": pick(0.99), "n": len(ordered)}
 
 
-async def _timed(n: int, step: Callable[[int], Awaitable[Any]]) -> dict[str, float]:
-    samples = []
-    for i in range(n):
+class _Side:
+    """One factory under measurement (the local one or the remote one) and its samples, in seconds."""
+
+    def __init__(self, factory: Any):
+        self.factory = factory
+        self.samples: dict[str, list[float]] = {}
+
+    async def timed(self, op: str, work: Awaitable[T]) -> T:
         t0 = time.perf_counter()
-        await step(i)
-        samples.append(time.perf_counter() - t0)
-    return _percentiles(samples)
+        result = await work
+        self.samples.setdefault(op, []).append(time.perf_counter() - t0)
+        return result
+
+    def figures(self) -> dict[str, Any]:
+        return {op: _percentiles(samples) for op, samples in self.samples.items()}
 
 
 def _call(i: int) -> Any:
@@ -81,35 +90,33 @@ def _write() -> Any:
     return ToolCall("sql", {"query": "UPDATE t SET v = v + 1 WHERE id = 1"})
 
 
-async def _measure(factory: Any) -> dict[str, Any]:
-    """Every figure for one sandbox factory (local or remote)."""
-    calls = [_call(i) for i in range(CALLS)]
-    box = await factory.create()
-    for call in calls[:200]:  # warm up: connections, caches, the server's first requests
-        await box.execute(call)
-    figures: dict[str, Any] = {"execute": await _timed(CALLS, lambda i: box.execute(calls[i]))}
-    await box.execute(_write())  # a written database, so snapshots copy it
-    made: list[Any] = []
-    figures["create"] = await _timed(OPS, lambda i: _append(made, factory.create()))
-    figures["close"] = await _timed(OPS, lambda i: made[i].close())
-    snapshots: list[str] = []
-    figures["snapshot"] = await _timed(OPS, lambda i: _append(snapshots, box.snapshot()))
-    restored: list[Any] = []
-    figures["restore"] = await _timed(OPS, lambda i: _append(restored, factory.restore(snapshots[i])))
-    for other in restored:
-        await other.close()
-    for snapshot in snapshots:
-        await factory.delete(snapshot)
-    await box.close()
-    figures["calls_per_second"] = await _throughput(factory)
-    return figures
-
-
-async def _append(into: list[Any], making: Awaitable[Any]) -> None:
-    into.append(await making)
+async def _latencies(local: _Side, remote: _Side) -> None:
+    """Every operation on both sides, taking turns call by call, so both see the same moments of the
+    machine's other work and the difference between them is the remote path's own."""
+    sides = (local, remote)
+    boxes = [await side.factory.create() for side in sides]
+    for i in range(200):  # warm up: connections, caches, the server's first requests
+        for box in boxes:
+            await box.execute(_call(i))
+    for i in range(CALLS):
+        for side, box in zip(sides, boxes, strict=True):
+            await side.timed("execute", box.execute(_call(i)))
+    for box in boxes:
+        await box.execute(_write())  # a written database, so a snapshot copies it
+    for _ in range(OPS):
+        for side, box in zip(sides, boxes, strict=True):
+            made = await side.timed("create", side.factory.create())
+            await side.timed("close", made.close())
+            snapshot = await side.timed("snapshot", box.snapshot())
+            restored = await side.timed("restore", side.factory.restore(snapshot))
+            await restored.close()
+            await side.factory.delete(snapshot)
+    for box in boxes:
+        await box.close()
 
 
 async def _throughput(factory: Any) -> float:
+    """Calls per second of ROLLOUTS concurrent rollouts, each executing in its own sandbox back to back."""
     boxes = [await factory.create() for _ in range(ROLLOUTS)]
     done = 0
     stop = time.perf_counter() + SECONDS
@@ -130,21 +137,26 @@ async def _throughput(factory: Any) -> float:
     return done / elapsed
 
 
-async def _client(url: str | None, db: str, token: str | None) -> dict[str, Any]:
+async def _client(url: str, db: str, token: str | None) -> dict[str, Any]:
     import tvcache
 
-    factory: Any = tvcache.RemoteSandboxes(url, token=token) if url else tvcache.SQLiteSandboxes(db)
+    local, remote = _Side(tvcache.SQLiteSandboxes(db)), _Side(tvcache.RemoteSandboxes(url, token=token))
     try:
-        return await _measure(factory)
+        await _latencies(local, remote)
+        result: dict[str, Any] = {}
+        for name, side in (("in-process", local), ("remote", remote)):
+            result[name] = side.figures() | {"calls_per_second": await _throughput(side.factory)}
+        return result
     finally:
-        await factory.close()
+        await local.factory.close()
+        await remote.factory.close()
 
 
 def _client_main(argv: list[str]) -> None:
     import uvloop
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--url")
+    parser.add_argument("--url", required=True)
     parser.add_argument("--db", required=True)
     args = parser.parse_args(argv)
     print(json.dumps(uvloop.run(_client(args.url, args.db, os.environ.get("TVCACHE_TOKEN")))))
@@ -207,10 +219,8 @@ def _await_health(proc: subprocess.Popen[bytes], url: str, prefix: list[str], to
     raise RuntimeError("the sandbox server did not start within 30 s")
 
 
-def _measure_in_client(db: Path, url: str | None, prefix: list[str], token: str) -> dict[str, Any]:
-    command = [*prefix, sys.executable, "-m", "tvcache_bench.micro.remote", "client", "--db", str(db)]
-    if url:
-        command += ["--url", url]
+def _measure_in_client(db: Path, url: str, prefix: list[str], token: str) -> dict[str, Any]:
+    command = [*prefix, sys.executable, "-m", "tvcache_bench.micro.remote", "client", "--db", str(db), "--url", url]
     env = {**os.environ, "TVCACHE_TOKEN": token}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     _pin(proc.pid, 1)
@@ -250,8 +260,8 @@ def _veth_pair() -> Iterator[tuple[list[str], list[str]] | None]:
 
 
 def run(console: Console | None = None, rounds: int = ROUNDS) -> dict[str, Any]:
-    """Measure, print the tables, return the figures. The paths take turns, `rounds` times; each path's figures
-    are those of its round with the lowest p50 (the least disturbed by other work on the machine)."""
+    """Measure, print the tables, return the figures. The paths take turns, `rounds` times; each path is
+    reported from its round with the lowest remote p50 (the least disturbed by other work on the machine)."""
     console = console or Console()
     token = secrets.token_hex(16)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -261,8 +271,8 @@ def run(console: Console | None = None, rounds: int = ROUNDS) -> dict[str, Any]:
         db = scratch / "bench.sqlite"
         _make_db(db)
         with contextlib.ExitStack() as stack:
-            paths: dict[str, tuple[str | None, list[str]]] = {"in-process": (None, [])}
-            paths["loopback"] = (stack.enter_context(_server(db, "127.0.0.1", [], token)), [])
+            loopback: tuple[str, list[str]] = (stack.enter_context(_server(db, "127.0.0.1", [], token)), [])
+            paths = {"loopback": loopback}
             pair = stack.enter_context(_veth_pair())
             if pair is not None:
                 server_side, client_side = pair
@@ -272,12 +282,13 @@ def run(console: Console | None = None, rounds: int = ROUNDS) -> dict[str, Any]:
                     runs.setdefault(path, []).append(_measure_in_client(db, url, prefix, token))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    results = {path: min(found, key=lambda r: r["execute"]["p50_ms"]) for path, found in runs.items()}
+    results = {path: min(found, key=lambda r: r["remote"]["execute"]["p50_ms"]) for path, found in runs.items()}
     _print(results, console)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     console.print(
-        f"overhead: the path's p50 minus the in-process p50. Best of {rounds} rounds; per round {CALLS} sequential "
-        f"calls, {OPS} of each operation, {ROLLOUTS} rollouts for {SECONDS:g} s; server and client pinned to "
+        f"local: the same SQLiteSandboxes in the client's process, measured in turns with the remote one, call by "
+        f"call; overhead: remote p50 minus local p50. Best of {rounds} rounds of {CALLS} calls and {OPS} of "
+        f"each operation per side, then {ROLLOUTS} rollouts for {SECONDS:g} s per side; server and client pinned to "
         f"separate cores.\n{'' if 'veth' in results else 'veth: skipped (needs root and iproute2). '}"
         f"{os.cpu_count()} CPUs; 1-minute load average at the end: {load:.2f}"
     )
@@ -285,34 +296,31 @@ def run(console: Console | None = None, rounds: int = ROUNDS) -> dict[str, Any]:
 
 
 def _print(results: dict[str, dict[str, Any]], console: Console) -> None:
-    local = results["in-process"]
-    calls = Table(title="SQLiteSandboxes execute: in the client's process, and through a sandbox server")
-    for column in ("path", "p50 ms", "p90 ms", "p99 ms", "overhead p50 ms", f"calls/s, {ROLLOUTS} rollouts"):
+    calls = Table(title=f"SQLiteSandboxes execute, ms; calls/s of {ROLLOUTS} concurrent rollouts")
+    columns = ("path", "local p50", "remote p50", "p90", "p99", "overhead", "local calls/s", "remote calls/s")
+    for column in columns:
         calls.add_column(column, justify="left" if column == "path" else "right")
-    for path, figures in results.items():
-        e = figures["execute"]
-        overhead = "-" if path == "in-process" else f"{e['p50_ms'] - local['execute']['p50_ms']:.3f}"
+    for path, sides in results.items():
+        local, remote = sides["in-process"], sides["remote"]
         calls.add_row(
             path,
-            f"{e['p50_ms']:.3f}",
-            f"{e['p90_ms']:.3f}",
-            f"{e['p99_ms']:.3f}",
-            overhead,
-            f"{figures['calls_per_second']:,.0f}",
+            f"{local['execute']['p50_ms']:.3f}",
+            f"{remote['execute']['p50_ms']:.3f}",
+            f"{remote['execute']['p90_ms']:.3f}",
+            f"{remote['execute']['p99_ms']:.3f}",
+            f"{remote['execute']['p50_ms'] - local['execute']['p50_ms']:.3f}",
+            f"{local['calls_per_second']:,.0f}",
+            f"{remote['calls_per_second']:,.0f}",
         )
     console.print(calls)
-    ops = Table(title="Sandbox operations, p50 ms (p90)")
+    ops = Table(title="Sandbox operations, p50 ms: local / remote")
+    names = ("create", "snapshot", "restore", "close")
     ops.add_column("path")
-    for op in ("create", "snapshot", "restore", "close"):
+    for op in names:
         ops.add_column(op, justify="right")
-    for path, figures in results.items():
-        ops.add_row(
-            path,
-            *(
-                f"{figures[op]['p50_ms']:.2f} ({figures[op]['p90_ms']:.2f})"
-                for op in ("create", "snapshot", "restore", "close")
-            ),
-        )
+    for path, sides in results.items():
+        local, remote = sides["in-process"], sides["remote"]
+        ops.add_row(path, *(f"{local[op]['p50_ms']:.2f} / {remote[op]['p50_ms']:.2f}" for op in names))
     console.print(ops)
 
 
