@@ -362,8 +362,12 @@ def test_replay_command_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
     good = tmp_path / "good.jsonl"
     write_traces(good, [Trace("t", "r", "", [TraceCall("sql", {"query": "SELECT 1"})])])
+    assert cli(["replay", str(good), "--sandbox", "podman"]) == 2
+    assert "unknown sandbox 'podman'" in capsys.readouterr().err
     assert cli(["replay", str(good), "--sandbox", "docker"]) == 2
-    assert "unknown sandbox 'docker'" in capsys.readouterr().err
+    assert "--sandbox docker needs --image IMAGE" in capsys.readouterr().err
+    assert cli(["replay", str(good), "--sandbox", "sqlite", "--base", "x", "--image", "y"]) == 2
+    assert "--image applies to --sandbox workspace or docker" in capsys.readouterr().err
     assert cli(["replay", str(good), "--sandbox", "sqlite"]) == 2
     assert "--base" in capsys.readouterr().err
     assert cli(["replay", str(good), "--sandbox", "python:no_such_module_xyz:f"]) == 2
