@@ -29,7 +29,7 @@ from .live import History, LiveSandbox, quietly
 from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
 from .stores.base import Claim, StoreError, TaskInfo
 
-__all__ = ["Result", "Rollout", "Source", "current_rollout"]
+__all__ = ["Result", "Rollout", "RolloutStats", "Source", "current_rollout"]
 
 log = logging.getLogger("tvcache")
 
@@ -61,6 +61,16 @@ class Result:
     seconds: float
     source: Source
     error: bool = False
+
+
+@dataclass(slots=True)
+class RolloutStats:
+    """One rollout's own counts (the cache's `stats()` sums every rollout's): for per-trace metrics."""
+
+    calls: int = 0
+    hits: int = 0
+    executions: int = 0  # tool executions for this rollout's calls (replays not counted)
+    seconds_saved: float = 0.0  # recorded execution time of its hits
 
 
 class _Claim:
@@ -109,6 +119,7 @@ class Rollout:
         self._detached = False
         self._registered = False
         self._closed = False
+        self.stats = RolloutStats()
 
     @property
     def cursor(self) -> bytes:
@@ -133,6 +144,7 @@ class Rollout:
             if self._closed:
                 raise RuntimeError(f"this rollout of {self._scope.task!r} is closed; start a new one")
             self._ctx.stats.calls += 1
+            self.stats.calls += 1
             if self._detached:
                 return await self._execute_direct(call, start)
             if tool in self._tools.uncacheable:
@@ -202,9 +214,9 @@ class Rollout:
             # Recorded by a broken client, or damaged at rest: as useless as an unreachable store.
             self._ctx.store_failed(StoreError(f"a stored entry of {call.tool!r} does not decode: {exc}"))
             return None
-        stats = self._ctx.stats
-        stats.hits += 1
-        stats.seconds_saved += entry.seconds
+        for stats in (self._ctx.stats, self.stats):
+            stats.hits += 1
+            stats.seconds_saved += entry.seconds
         if entry.kind == EDGE:
             self._history.advance(call, entry.output, entry.seconds)
         return Result(output, True, time.perf_counter() - start, source)
@@ -304,6 +316,7 @@ class Rollout:
         the caller."""
         stats = self._ctx.stats
         stats.executions += 1
+        self.stats.executions += 1
         t0 = time.perf_counter()
         try:
             outcome = await self._live.execute(call)

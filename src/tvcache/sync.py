@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from .cache import ToolCache
 from .calls import Tools
-from .rollout import Result, Rollout, _current
+from .rollout import Result, Rollout, RolloutStats, _current
 from .sandboxes.base import Sandboxes
 
 __all__ = ["SyncRollout", "SyncToolCache"]
@@ -28,15 +28,39 @@ T = TypeVar("T")
 
 
 class SyncRollout:
-    def __init__(self, owner: SyncToolCache, rollout: Rollout):
-        self._owner, self._rollout = owner, rollout
+    """A `Rollout` driven from synchronous code (any thread but the cache's own); see `SyncToolCache.open`."""
 
-    def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
+    def __init__(self, owner: SyncToolCache, manager: AbstractAsyncContextManager[Rollout], rollout: Rollout):
+        self._owner, self._manager, self._rollout = owner, manager, rollout
+        self._closed = False
+
+    def call(self, tool: str, args: Mapping[str, Any] | str | None = None) -> Result:
         return self._owner._run(self._rollout.call(tool, args))
+
+    def grade(
+        self, tool: str, args: Mapping[str, Any] | str | None = None, *, files: Mapping[str, str] | None = None
+    ) -> Result:
+        return self._owner._run(self._rollout.grade(tool, args, files=files))
 
     @property
     def detached(self) -> bool:
         return self._rollout.detached
+
+    @property
+    def stats(self) -> RolloutStats:
+        return self._rollout.stats
+
+    @property
+    def rollout(self) -> Rollout:
+        """The async rollout underneath (its calls must run on the cache's loop: `rollout.loop`)."""
+        return self._rollout
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """End the rollout and close its sandbox. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            info = (type(exc), exc, exc.__traceback__) if exc is not None else (None, None, None)
+            self._owner._run(self._manager.__aexit__(*info))
 
 
 class SyncToolCache:
@@ -55,18 +79,25 @@ class SyncToolCache:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def open(self, task: str, sandboxes: Sandboxes, tools: Tools | None = None) -> SyncRollout:
+        """Start a rollout that outlives any one block of code (an env from `reset` to `close`, its steps on
+        a thread pool); `close()` it when done."""
+        manager: AbstractAsyncContextManager[Rollout] = self.cache.rollout(task, sandboxes, tools)
+        return SyncRollout(self, manager, self._run(manager.__aenter__()))
+
     @contextmanager
     def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools | None = None) -> Iterator[SyncRollout]:
-        manager: AbstractAsyncContextManager[Rollout] = self.cache.rollout(task, sandboxes, tools)
-        rollout = self._run(manager.__aenter__())
-        token = _current.set(rollout)  # in the caller's thread, for `tvcache.current_rollout()` there
+        """One rollout for the duration of a `with` block; inside it, `tvcache.current_rollout()` in this thread
+        returns its async `Rollout`."""
+        rollout = self.open(task, sandboxes, tools)
+        token = _current.set(rollout.rollout)
         try:
-            yield SyncRollout(self, rollout)
+            yield rollout
         except BaseException as exc:
-            self._run(manager.__aexit__(type(exc), exc, exc.__traceback__))
+            rollout.close(exc)
             raise
         else:
-            self._run(manager.__aexit__(None, None, None))
+            rollout.close()
         finally:
             _current.reset(token)
 

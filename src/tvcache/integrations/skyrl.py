@@ -36,7 +36,6 @@ custom environments are registered), then select it with `env_class: tvcache_tex
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -50,9 +49,10 @@ from skyrl_gym.envs.sql.env import SQLEnv  # noqa: E402
 from skyrl_gym.envs.sql.utils import verify_format_and_extract  # noqa: E402
 
 from ..calls import Args, Tools  # noqa: E402
-from ..rollout import Result, Rollout  # noqa: E402
+from ..rollout import Result  # noqa: E402
 from ..sandboxes.base import Sandboxes  # noqa: E402
 from ..sandboxes.sqlite import SQLiteSandboxes  # noqa: E402
+from ..sync import SyncRollout  # noqa: E402
 from .keys import task_key  # noqa: E402
 from .process import process_sandboxes, process_sync_cache  # noqa: E402
 
@@ -77,8 +77,7 @@ class CachedTextEnv(BaseTextEnv):
 
     _tvcache_config: Any
     _tvcache_extras: Mapping[str, Any]
-    _tvcache_rollout: Rollout | None
-    _tvcache_exit: Any
+    _tvcache_rollout: SyncRollout | None
     _tvcache_metrics: dict[str, float]
     _tvcache_prompt: Any
 
@@ -91,7 +90,6 @@ class CachedTextEnv(BaseTextEnv):
         self._tvcache_config = config
         self._tvcache_extras = dict(extras or {})
         self._tvcache_rollout = None
-        self._tvcache_exit = None
         self._tvcache_prompt = None
         self._tvcache_metrics = {"tvcache_calls": 0, "tvcache_hits": 0, "tvcache_seconds": 0.0}
         return self
@@ -114,14 +112,11 @@ class CachedTextEnv(BaseTextEnv):
 
     def tool_call(self, tool: str, args: Mapping[str, Any] | str | None = None) -> Result:
         """Call `tool` through this environment's rollout, blocking until it answers."""
-        rollout = self._tvcache_open()
-        return self._counted(asyncio.run_coroutine_threadsafe(rollout.call(tool, args), rollout.loop).result())
+        return self._counted(self._tvcache_open().call(tool, args))
 
     def grade(self, tool: str, args: Args | None = None, *, files: Mapping[str, str] | None = None) -> Result:
         """`Rollout.grade` on this environment's final state, blocking."""
-        rollout = self._tvcache_open()
-        graded = asyncio.run_coroutine_threadsafe(rollout.grade(tool, args, files=files), rollout.loop).result()
-        return self._counted(graded)
+        return self._counted(self._tvcache_open().grade(tool, args, files=files))
 
     def get_metrics(self) -> dict[str, Any]:
         """The environment's own metrics and this rollout's: tool calls, hits, and seconds spent in them."""
@@ -140,20 +135,17 @@ class CachedTextEnv(BaseTextEnv):
     def close(self) -> None:
         try:
             if self._tvcache_rollout is not None:
-                rollout, leave = self._tvcache_rollout, self._tvcache_exit
-                self._tvcache_rollout = self._tvcache_exit = None
-                asyncio.run_coroutine_threadsafe(leave(None, None, None), rollout.loop).result()
+                rollout, self._tvcache_rollout = self._tvcache_rollout, None
+                rollout.close()
         finally:
             super().close()
 
-    def _tvcache_open(self) -> Rollout:
+    def _tvcache_open(self) -> SyncRollout:
         if self._tvcache_rollout is None:
             config = self._tvcache_config
             url = config.get("tvcache_url") if isinstance(config, Mapping) else getattr(config, "tvcache_url", None)
             sync = process_sync_cache(url)
-            manager = sync.cache.rollout(self.tvcache_task(), self.tvcache_sandboxes(), self.tvcache_tools)
-            self._tvcache_rollout = sync._run(manager.__aenter__())
-            self._tvcache_exit = manager.__aexit__
+            self._tvcache_rollout = sync.open(self.tvcache_task(), self.tvcache_sandboxes(), self.tvcache_tools)
         return self._tvcache_rollout
 
 
