@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -41,3 +42,19 @@ def test_sync_rollout_closes_its_sandbox_when_the_agent_raises() -> None:
             r.call("write", {"key": "a", "value": "x"})
             raise KeyError("agent crashed")
         assert not boxes.open
+
+
+def test_an_open_rollout_lives_across_threads_until_closed() -> None:
+    # A SkyRL-style environment: opened at the first step, stepped from a thread pool, closed at the end.
+    boxes = FaultySandboxes(kv.sandboxes())
+    with tvcache.SyncToolCache() as cache:
+        rollout = cache.open("t", boxes, kv.TOOLS)
+        with ThreadPoolExecutor(2) as pool:
+            assert pool.submit(rollout.call, "write", '{"key": "a", "value": "x"}').result().output == "ok"
+            assert pool.submit(rollout.call, "read", {"key": "a"}).result().output == "x"
+        assert (rollout.stats.calls, rollout.stats.executions) == (2, 2)
+        rollout.close()
+        rollout.close()  # idempotent
+        assert not boxes.open
+        with pytest.raises(RuntimeError, match="closed"):
+            rollout.call("read", {"key": "a"})
