@@ -513,6 +513,32 @@ def test_snapshot_of_an_unchanged_sandbox_adds_no_layer(base: Path, mode: str) -
     run(main())
 
 
+def test_a_failed_snapshot_leaves_the_sandbox_as_it_was(base: Path, mode: str) -> None:
+    """Layers live in `tmp`; a snapshot that cannot be written there (full) fails, and the sandbox goes on with
+    its own changes, as if no snapshot had been asked for."""
+    if mode == "copy" or os.geteuid() != 0:
+        pytest.skip("needs root (to mount a small tmp) and a layered mode")
+    tmp = Path(tempfile.mkdtemp(prefix="tvcache-ws-smalltmp-", dir=TMP))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tvcache-test", str(tmp)], check=True)
+    try:
+
+        async def main() -> None:
+            async with factory_for(base, mode, tmp=tmp, disk=64 << 20) as boxes:
+                box = await boxes.create()
+                await bash(box, "head -c 12000000 /dev/zero > big && echo small > small")
+                with pytest.raises(SandboxError, match=r"could not snapshot the sandbox: .*No space left"):
+                    await box.snapshot()
+                assert await out(box, "wc -c < big; cat small") == "12000000\nsmall\n"
+                await bash(box, "rm big")
+                again = await boxes.restore(await box.snapshot())
+                assert await out(again, "ls; cat small") == "README\ndata\nsmall\nsrc\nsmall\n"
+
+        run(main())
+    finally:
+        subprocess.run(["umount", "-l", str(tmp)], check=False)
+        tmp.rmdir()
+
+
 def test_mount2_fallback_for_kernels_without_lowerdir_plus(base: Path) -> None:
     """Before Linux 6.8 overlays are mounted with mount(2) and one option string; forced here."""
     if AVAILABLE["overlay"] is not None:

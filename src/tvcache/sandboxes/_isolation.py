@@ -9,9 +9,11 @@
 `SandboxRoot` per sandbox: the root's mounts, the observation of changes, the freezing into a snapshot.
 
 **Disk quota.** A sandbox writes only into a tmpfs of its own, `disk` bytes big (and one file per KiB of it):
-the overlay modes' upper dirs live on one such tmpfs per generation, which `freeze` moves whole into the
-layer store (a mount move: no copy, and deleting the layer later is one unmount); copy mode's private tree
-is a tmpfs of the copy's size plus `disk`. A full quota is an ENOSPC for the writer and `full()` here.
+the overlay modes' upper dirs live on one such tmpfs per generation, whose contents `freeze` copies into a
+plain layer directory (O(size of the diff)) before it unmounts it; copy mode's private tree is a tmpfs of the
+copy's size plus `disk`. A full quota is an ENOSPC for the writer and `full()` here. Layers are not mounts of
+their own: the number of mounts stays a few per live sandbox, however many snapshots there are (every
+command's jail reads the mount table several times).
 
 Paths: a root's mounts are made where the mounter lives (`path`); this process reads and writes the files
 below them through `mounter.view(path)`, which is the same path except in userns mode.
@@ -26,11 +28,12 @@ import secrets
 import shutil
 import subprocess
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ._layers import LayerStore, is_empty, listing, merge_layers
+from ._layers import LayerStore, copy_layer, is_empty, listing, merge_layers
 from ._layout import DEVICES, Layout, build_layout
 from ._mounts import HostMounter, Mounter, NamespaceMounter
 from ._rundir import mounts_below
@@ -98,30 +101,28 @@ class Isolation(ABC):
         """A new snapshot record holds its files."""
 
     @abstractmethod
-    def release(self, snap: Snapshot) -> list[tuple[Path, bool]]:
-        """A snapshot record is deleted: the directories nobody needs any more, as (path, is a mount)."""
+    def release(self, snap: Snapshot) -> list[Path]:
+        """A snapshot record is deleted: the directories nobody needs any more."""
 
-    async def remove(self, dead: list[tuple[Path, bool]]) -> None:
-        """Unmount (if a mount) and delete directories made by this isolation."""
+    async def remove(self, dead: Sequence[Path], *, unmount: Sequence[Path] = ()) -> None:
+        """Unmount `unmount`, then delete `dead` (directories this isolation made)."""
 
         def work() -> None:
-            for path, mounted in dead:
-                if mounted:
-                    with contextlib.suppress(OSError):
-                        self.mounter.detach(str(path))
+            for path in unmount:
+                with contextlib.suppress(OSError):
+                    self.mounter.detach(str(path))
+            for path in dead:
                 shutil.rmtree(path, ignore_errors=True)
 
-        if dead:
+        if dead or unmount:
             await asyncio.to_thread(work)
 
     def mount_binds(self, root: str) -> None:
-        """The read-only system directories and device stand-ins every root of the layout has."""
+        """The read-only system directories and the host's device nodes every root of the layout has."""
         for source, point in self.layout.ro_binds:
             self.mounter.bind(source, root + point, readonly=True)
-        if self.layout.dev_binds:
-            # Fast paths then see /dev as commands do (devices, refused), not as empty files.
-            for name in DEVICES:
-                self.mounter.bind(f"/dev/{name}", f"{root}/dev/{name}", readonly=False)
+        for name in DEVICES:
+            self.mounter.bind(f"/dev/{name}", f"{root}/dev/{name}", readonly=False, devices=True)
 
 
 class SandboxRoot(ABC):
@@ -169,7 +170,7 @@ class SandboxRoot(ABC):
         """Unmount everything and delete the box (the snapshots it made stay)."""
         with contextlib.suppress(OSError):  # already gone with the factory's run dir
             self._unmount()
-        await self.iso.remove([(self._scratch_mount(), True), (self.box, False)])
+        await self.iso.remove([self.box], unmount=[self._scratch_mount()])
 
     def _unmount(self) -> None:
         if self._mounted:
@@ -193,7 +194,7 @@ class OverlayIsolation(Isolation):
     def acquire(self, snap: Snapshot) -> None:
         self.layers.acquire(snap.stack)
 
-    def release(self, snap: Snapshot) -> list[tuple[Path, bool]]:
+    def release(self, snap: Snapshot) -> list[Path]:
         return self.layers.release(snap.stack)
 
 
@@ -240,23 +241,30 @@ class LayeredRoot(SandboxRoot):
         os.mkdir(self.path)
         self.iso.layers.acquire(snap.stack)
         self.stack = snap.stack
+        self._new_scratch()
         self._mount()
 
-    def _mount(self) -> None:
-        mounter, layers = self.iso.mounter, self.iso.layers
-        scratch = str(self.box / f"g{self._gen}")
+    def _new_scratch(self) -> None:
+        """A fresh tmpfs for this generation's (empty) upper and work dirs."""
+        scratch = str(self._scratch_mount())
         os.mkdir(scratch)
-        mounter.tmpfs(scratch, size=self.iso.disk, inodes=self.iso.inodes)
-        for k, mnt in enumerate(self.iso.layout.overlays):
+        self.iso.mounter.tmpfs(scratch, size=self.iso.disk, inodes=self.iso.inodes)
+        for k in range(len(self.iso.layout.overlays)):
             os.mkdir(self._upper(k))
             os.mkdir(f"{self.scratch()}/w{k}")
+        self._listings = [None] * len(self.iso.layout.overlays)
+
+    def _mount(self) -> None:
+        """The overlays of the stack under this generation's upper dirs, and the layout's binds."""
+        mounter, layers = self.iso.mounter, self.iso.layers
+        scratch = str(self._scratch_mount())
+        for k, mnt in enumerate(self.iso.layout.overlays):
             frozen = [str(layers.dir(lid, k)) for lid in reversed(self.stack)]
             lowers = [p for p in frozen if os.path.isdir(mounter.view(p))] + list(reversed(mnt.lowers))
             target = self.path + (mnt.point if mnt.point != "/" else "")
             mounter.overlay(target, lowers, f"{scratch}/u{k}", f"{scratch}/w{k}")
             self._mounted = True  # the first mount is the root: from now on, detaching it cleans up
         self.iso.mount_binds(self.path)
-        self._listings = [None] * len(self.iso.layout.overlays)
 
     async def changed(self) -> bool:
         # An untouched upper dir is empty, checked in microseconds; otherwise compare listings.
@@ -277,32 +285,32 @@ class LayeredRoot(SandboxRoot):
         return Snapshot(state, self.stack)
 
     async def _freeze(self, dirty: list[int]) -> None:
-        """Unmount, move the tmpfs holding the changed upper dirs into a new layer, remount on a fresh one.
+        """Unmount, copy the changed upper dirs into a new layer, remount on a fresh tmpfs.
 
         No command is running (the caller holds the sandbox) and each one's PID namespace died with it, so
-        nothing can write into the upper dirs while they become a layer."""
-        mounter, layers = self.iso.mounter, self.iso.layers
+        nothing can write into the upper dirs while they become a layer. If the copy fails, the sandbox goes
+        on on its own upper dirs, as if no snapshot had been asked for."""
+        layers, view = self.iso.layers, self.iso.mounter.view
         self._unmount()
-        old = self._gen
+        layer_id, path = layers.new()
+        layers.acquire([layer_id])
         try:
-            scratch = self.scratch()
-            for k in range(len(self._listings)):
-                shutil.rmtree(f"{scratch}/w{k}", ignore_errors=True)
-                if k in dirty:
-                    os.rename(self._upper(k), f"{scratch}/{k}")
-                else:
-                    os.rmdir(self._upper(k))
-            layer_id, path = layers.new(mount=True)
-            mounter.move(str(self.box / f"g{old}"), str(path))
-            layers.acquire([layer_id])
-            self.stack = (*self.stack, layer_id)
+            for k in dirty:
+                await asyncio.to_thread(copy_layer, self._upper(k), view(str(path / str(k))))
+        except BaseException:
+            await self.iso.remove(layers.release([layer_id]))
+            self._mount()
+            raise
+        self.stack = (*self.stack, layer_id)
+        old = self._scratch_mount()
+        self._gen += 1
+        try:
             if len(self.stack) > self.iso.max_layers:
                 await self._merge()
         finally:
-            self._gen += 1
-            with contextlib.suppress(OSError):
-                os.rmdir(self.box / f"g{old}")  # the old mount point, empty once its tmpfs moved
+            self._new_scratch()
             self._mount()
+            await self.iso.remove([old], unmount=[old])
 
     async def _merge(self) -> None:
         """Flatten this sandbox's whole stack into one layer (the old layers live on for their snapshots)."""
@@ -365,8 +373,8 @@ class CopyIsolation(Isolation):
     def acquire(self, snap: Snapshot) -> None:
         return None  # a copy belongs to its one record
 
-    def release(self, snap: Snapshot) -> list[tuple[Path, bool]]:
-        return [] if snap.copy is None else [(snap.copy, False)]
+    def release(self, snap: Snapshot) -> list[Path]:
+        return [] if snap.copy is None else [snap.copy]
 
 
 class CopiedRoot(SandboxRoot):
@@ -411,7 +419,11 @@ class CopiedRoot(SandboxRoot):
     async def freeze(self, state: ShellState) -> Snapshot:
         dest = self.iso.run / "copies" / secrets.token_hex(6)
         dest.parent.mkdir(exist_ok=True)
-        await copy_tree(self.scratch(), str(dest))
+        try:
+            await copy_tree(self.scratch(), str(dest))
+        except BaseException:
+            await self.iso.remove([dest])
+            raise
         size, files = await asyncio.to_thread(_usage, str(dest))
         return Snapshot(state, copy=dest, size=size, files=files)
 

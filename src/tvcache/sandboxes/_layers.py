@@ -1,10 +1,8 @@
 """Read-only layers of frozen overlay upper dirs: reference counts, merging, listings.
 
 A layer is a directory `<root>/<id>/` with one subdirectory per overlay mount of the sandbox layout (named by
-the mount's index) for each mount that had changed when the layer was frozen. A frozen layer is the tmpfs a
-sandbox's upper dirs lived on, moved there whole (a mount); a merged one is a plain directory. A stack is a
-tuple of layer ids, oldest first. A layer lives as long as some snapshot or live sandbox holds a reference
-to it.
+the mount's index) for each mount that had changed when the layer was frozen. A stack is a tuple of layer ids,
+oldest first. A layer lives as long as some snapshot or live sandbox holds a reference to it.
 
 Layers hold what overlayfs puts into an upper dir: files, directories, whiteouts (character devices 0/0)
 and opaque directories (an `overlay.opaque` xattr). Mounts never create redirect or metacopy xattrs (see
@@ -23,7 +21,7 @@ import subprocess
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["LayerStore", "is_empty", "listing", "listing_digest", "merge_layers"]
+__all__ = ["LayerStore", "copy_layer", "is_empty", "listing", "listing_digest", "merge_layers"]
 
 #: One entry of a change-detection listing: (relative path, inode, size, mtime, ctime, mode).
 Entry = tuple[str, int, int, int, int, int]
@@ -95,9 +93,9 @@ def _is_opaque(path: str, xattr: str) -> bool:
         return False
 
 
-def _copy_metadata(src: str, st: os.stat_result, dest: str) -> None:
+def _copy_metadata(src: str, st: os.stat_result, dest: str, *, overlay_xattrs: bool = False) -> None:
     for name in os.listxattr(src, follow_symlinks=False):
-        if ".overlay." in name:
+        if ".overlay." in name and not overlay_xattrs:
             continue  # overlayfs bookkeeping (origin, impure, opaque) belongs to the source layer
         with contextlib.suppress(OSError):  # e.g. security.* xattrs this process may not set
             os.setxattr(dest, name, os.getxattr(src, name, follow_symlinks=False), follow_symlinks=False)
@@ -107,7 +105,9 @@ def _copy_metadata(src: str, st: os.stat_result, dest: str) -> None:
     os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 
 
-def _copy_entry(src: str, st: os.stat_result, dest: str, links: dict[tuple[int, int], str]) -> None:
+def _copy_entry(
+    src: str, st: os.stat_result, dest: str, links: dict[tuple[int, int], str], *, overlay_xattrs: bool = False
+) -> None:
     key = (st.st_dev, st.st_ino)
     if st.st_nlink > 1 and key in links:
         os.link(links[key], dest, follow_symlinks=False)  # a hard link made inside the sandbox stays one
@@ -117,13 +117,36 @@ def _copy_entry(src: str, st: os.stat_result, dest: str, links: dict[tuple[int, 
         shutil.copyfile(src, dest)
     elif stat.S_ISLNK(mode):
         os.symlink(os.readlink(src), dest)
-    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode):
+    elif is_whiteout(st) or stat.S_ISFIFO(mode):
         os.mknod(dest, mode, st.st_rdev)
     else:
-        return  # sockets are not state worth keeping
-    _copy_metadata(src, st, dest)
+        return  # sockets are not state worth keeping; a device node is not a sandbox's to keep
+    _copy_metadata(src, st, dest, overlay_xattrs=overlay_xattrs)
     if st.st_nlink > 1:
         links[key] = dest
+
+
+def copy_layer(src: str, dest: str) -> None:
+    """Copy a frozen upper dir to the new directory `dest` as it is: whiteouts, opaque directories and the rest
+    of overlayfs's xattrs, hard links between its files, times (directories' after their contents)."""
+    links: dict[tuple[int, int], str] = {}
+
+    def copy_dir(src_dir: str, dest_dir: str) -> None:
+        with os.scandir(src_dir) as it:
+            entries = list(it)
+        for entry in entries:
+            st = entry.stat(follow_symlinks=False)
+            target = os.path.join(dest_dir, entry.name)
+            if stat.S_ISDIR(st.st_mode):
+                os.mkdir(target)
+                copy_dir(entry.path, target)
+                _copy_metadata(entry.path, st, target, overlay_xattrs=True)
+            else:
+                _copy_entry(entry.path, st, target, links, overlay_xattrs=True)
+
+    os.mkdir(dest)
+    copy_dir(src, dest)
+    _copy_metadata(src, os.lstat(src), dest, overlay_xattrs=True)
 
 
 def _merge_dir(
@@ -193,16 +216,12 @@ class LayerStore:
         self.root = root
         root.mkdir()
         self._refs: dict[str, int] = {}
-        self._mounts: set[str] = set()
 
-    def new(self, *, mount: bool = False) -> tuple[str, Path]:
-        """A new layer's directory; with `mount`, the caller moves a mount onto it."""
+    def new(self) -> tuple[str, Path]:
         layer_id = secrets.token_hex(6)
         path = self.root / layer_id
         path.mkdir()
         self._refs[layer_id] = 0
-        if mount:
-            self._mounts.add(layer_id)
         return layer_id, path
 
     def dir(self, layer_id: str, mount: int) -> Path:
@@ -212,16 +231,14 @@ class LayerStore:
         for layer_id in stack:
             self._refs[layer_id] += 1
 
-    def release(self, stack: Iterable[str]) -> list[tuple[Path, bool]]:
-        """Drop one reference to each layer; returns the layers nobody uses any more, as (directory, is a
-        mount) pairs."""
+    def release(self, stack: Iterable[str]) -> list[Path]:
+        """Drop one reference to each layer; returns the directories of layers nobody uses any more."""
         dead = []
         for layer_id in stack:
             self._refs[layer_id] -= 1
             if self._refs[layer_id] == 0:
                 del self._refs[layer_id]
-                dead.append((self.root / layer_id, layer_id in self._mounts))
-                self._mounts.discard(layer_id)
+                dead.append(self.root / layer_id)
         return dead
 
     def __len__(self) -> int:

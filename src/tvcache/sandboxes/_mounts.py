@@ -45,15 +45,12 @@ class Mounter(ABC):
         """Mount an overlay on `target`; `lowers` are topmost first."""
 
     @abstractmethod
-    def bind(self, source: str, target: str, *, readonly: bool) -> None: ...
+    def bind(self, source: str, target: str, *, readonly: bool, devices: bool = False) -> None:
+        """Bind `source` onto `target`, `nodev` unless `devices`."""
 
     @abstractmethod
     def tmpfs(self, target: str, *, size: int | None, inodes: int | None) -> None:
         """Mount a tmpfs of at most `size` bytes and `inodes` files on `target` (None: no such limit)."""
-
-    @abstractmethod
-    def move(self, source: str, target: str) -> None:
-        """Move the mount at `source` to `target`."""
 
     @abstractmethod
     def detach(self, target: str) -> None:
@@ -110,14 +107,11 @@ class HostMounter(Mounter):
             raise SandboxError(f"overlay options for {target} exceed mount(2)'s 4 KiB page; merge layers sooner")
         sc.mount("overlay", target, "overlay", sc.MS_NOSUID | sc.MS_NODEV, data)
 
-    def bind(self, source: str, target: str, *, readonly: bool) -> None:
-        sc.bind_mount(source, target, readonly=readonly)
+    def bind(self, source: str, target: str, *, readonly: bool, devices: bool = False) -> None:
+        sc.bind_mount(source, target, readonly=readonly, devices=devices)
 
     def tmpfs(self, target: str, *, size: int | None, inodes: int | None) -> None:
         sc.tmpfs_mount(target, size=size, inodes=inodes)
-
-    def move(self, source: str, target: str) -> None:
-        sc.mount(source, target, None, sc.MS_MOVE)
 
     def detach(self, target: str) -> None:
         sc.umount(target, sc.MNT_DETACH)
@@ -188,14 +182,11 @@ class NamespaceMounter(Mounter):
     def overlay(self, target: str, lowers: list[str], upper: str, work: str) -> None:
         self._request(["overlay", target, lowers, upper, work])
 
-    def bind(self, source: str, target: str, *, readonly: bool) -> None:
-        self._request(["bind", source, target, readonly])
+    def bind(self, source: str, target: str, *, readonly: bool, devices: bool = False) -> None:
+        self._request(["bind", source, target, readonly, devices])
 
     def tmpfs(self, target: str, *, size: int | None, inodes: int | None) -> None:
         self._request(["tmpfs", target, size, inodes])
-
-    def move(self, source: str, target: str) -> None:
-        self._request(["move", source, target])
 
     def detach(self, target: str) -> None:
         self._request(["detach", target])
@@ -237,11 +228,9 @@ def _serve() -> None:
             if op == "overlay":
                 mounter.overlay(*args)
             elif op == "bind":
-                mounter.bind(args[0], args[1], readonly=args[2])
+                mounter.bind(args[0], args[1], readonly=args[2], devices=args[3])
             elif op == "tmpfs":
                 mounter.tmpfs(args[0], size=args[1], inodes=args[2])
-            elif op == "move":
-                mounter.move(args[0], args[1])
             elif op == "detach":
                 mounter.detach(args[0])
             elif op == "netns":

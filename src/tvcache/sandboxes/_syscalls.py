@@ -6,7 +6,8 @@
 - `mount(2)`/`umount2(2)` for the rest (tmpfs, moves), and as the fallback where `lowerdir+` is unknown
   (kernels < 6.8).
 
-Every mount made here is `nosuid,nodev`: a device node or set-uid file in a layer is inert.
+Every mount made here is `nosuid,nodev` (but binds of the host's own device nodes): a device node or set-uid
+file in a layer is inert.
 - `openat2(RESOLVE_IN_ROOT)`: open a path as a sandbox sees it, absolute symlinks and `..` included, without
   ever leaving the sandbox's root.
 
@@ -25,7 +26,6 @@ import threading
 __all__ = [
     "MNT_DETACH",
     "MS_BIND",
-    "MS_MOVE",
     "MS_NODEV",
     "MS_NOSUID",
     "MS_PRIVATE",
@@ -73,7 +73,6 @@ MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_REMOUNT = 0x20
 MS_BIND = 0x1000
-MS_MOVE = 0x2000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
@@ -187,8 +186,9 @@ class _MountAttr(ctypes.Structure):
     ]
 
 
-def bind_mount(source: str, target: str, *, readonly: bool) -> None:
-    """Bind `source` (one mount, not its submounts) onto `target`, `nosuid,nodev`, optionally read-only.
+def bind_mount(source: str, target: str, *, readonly: bool, devices: bool = False) -> None:
+    """Bind `source` (one mount, not its submounts) onto `target`, `nosuid`, optionally read-only, and `nodev`
+    unless `devices` (for binding the host's /dev/null and the like).
 
     open_tree + mount_setattr sets flags on the new mount alone, which unlike a MS_REMOUNT also works in a
     user namespace (where the source's locked flags must otherwise be repeated exactly).
@@ -202,7 +202,8 @@ def bind_mount(source: str, target: str, *, readonly: bool) -> None:
     if fd < 0:
         _raise(f"open_tree {source}")
     try:
-        attr = _MountAttr(attr_set=_MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | (_MOUNT_ATTR_RDONLY if readonly else 0))
+        flags = _MOUNT_ATTR_NOSUID | (0 if devices else _MOUNT_ATTR_NODEV) | (_MOUNT_ATTR_RDONLY if readonly else 0)
+        attr = _MountAttr(attr_set=flags)
         res = _syscall(
             _SYS_MOUNT_SETATTR,
             ctypes.c_int(fd),
@@ -219,9 +220,8 @@ def bind_mount(source: str, target: str, *, readonly: bool) -> None:
 
 
 def tmpfs_mount(target: str, *, size: int | None, inodes: int | None) -> None:
-    """A private tmpfs on `target`, holding at most `size` bytes and `inodes` files (None: tmpfs's defaults)."""
-    options = ["mode=0755", *([f"size={size}"] if size else []), *([f"nr_inodes={inodes}"] if inodes else [])]
-    mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, ",".join(options))
+    """A private tmpfs on `target`, holding at most `size` bytes and `inodes` files (None: no limit)."""
+    mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={size or 0},nr_inodes={inodes or 0}")
 
 
 class _OpenHow(ctypes.Structure):

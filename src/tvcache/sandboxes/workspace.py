@@ -513,7 +513,10 @@ class WorkspaceSandbox(ManagedSandbox):
 
     async def snapshot(self) -> str:
         async with self._turn():
-            snap = await self._fs.freeze(self._state)
+            try:
+                snap = await self._fs.freeze(self._state)
+            except OSError as exc:  # e.g. no room for the layer in tmp: the sandbox itself goes on unchanged
+                raise SandboxError(f"could not snapshot the sandbox: {exc}") from exc
             self._ctx.isolation.acquire(snap)
             return self._factory._keep(snap)
 
