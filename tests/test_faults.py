@@ -114,6 +114,33 @@ def test_restoring_a_deleted_snapshot_falls_back_and_forgets_it() -> None:
     asyncio.run(main())
 
 
+def test_a_lost_deepest_snapshot_falls_back_to_the_next_shallower_one() -> None:
+    async def main() -> None:
+        boxes = FaultySandboxes(kv.sandboxes())
+        path = [("write", {"key": k, "value": k, "delay": 0.05}) for k in "abc"]
+        async with tvcache.ToolCache() as cache:
+            async with cache.rollout("t", boxes, kv.TOOLS) as r:
+                for tool, args in path:
+                    await r.call(tool, args)
+            records = await cache.store.snapshots(cache.scope("t", boxes).key)
+            assert len(records) == 3  # one per slow write
+            deepest = max(records, key=lambda rec: rec.last_used)
+            await boxes.inner.delete(deepest.snapshot_id)  # lost with its host, say
+            before = cache.stats()
+            async with cache.rollout("t", boxes, kv.TOOLS) as r:
+                for tool, args in path:
+                    assert (await r.call(tool, args)).hit
+                assert (await r.call("read", {"key": "c"})).output == "c"  # a memo: hit, no sandbox needed
+                assert (await r.call("append", {"key": "c", "value": "!"})).output == 2  # a miss at depth 3
+            stats = cache.stats()
+            # The deepest restore failed and was forgotten; the one below it served, with one replayed write.
+            assert (stats["restores"] - before["restores"], stats["replays"] - before["replays"]) == (1, 1)
+            assert len(await cache.store.snapshots(cache.scope("t", boxes).key)) >= 2
+        assert not boxes.open
+
+    asyncio.run(main())
+
+
 def test_a_store_outage_slows_rollouts_down_but_never_misleads_them() -> None:
     calls = [("write", W), ("read", {"key": "a"}), ("append", APPEND), ("read", {"key": "a"}), ("list", {})]
 

@@ -33,6 +33,9 @@ log = logging.getLogger("tvcache")
 #: dropping the sandbox after each failure would make every later call replay the whole history.
 MAX_SNAPSHOT_FAILURES = 2
 
+#: Snapshots a miss tries to restore, deepest first, when restores fail (their host is gone).
+MAX_RESTORE_ATTEMPTS = 3
+
 
 @dataclass(frozen=True, slots=True)
 class Step:
@@ -103,27 +106,28 @@ class LiveSandbox:
         catch_up = replay(target, self._depth) if self._box is not None else float("inf")
         fresh_warm = warm.count(("fresh", self._origin, self._scope_key)) > 0
         fresh = (0.0 if fresh_warm else costs.create) + replay(target)
-        lease = None
-        if use_store and target > 0 and worth_leasing(catch_up, fresh, costs.restore):
+        route = cheapest_route(catch_up, fresh, None)
+        # Each failed restore drops its snapshot from the graph (lost with its host, deleted meanwhile), so
+        # asking again yields the next shallower one; a few attempts bound the round trips.
+        for _ in range(MAX_RESTORE_ATTEMPTS if use_store and target > 0 else 0):
+            if not worth_leasing(catch_up, fresh, costs.restore):
+                break
             lease = await self._lease(self._depth + 1 if self._box is not None else 1, target)
-        try:
-            restore = None
-            if lease is not None:
+            if lease is None:
+                break
+            try:
                 depth = self._history.depth_of(lease.node)
                 forked = warm.count(("fork", self._origin, lease.snapshot_id)) > 0
                 restore = (0.0 if forked else costs.restore) + replay(target, depth)
-            route = cheapest_route(catch_up, fresh, restore)
-            if route == Route.RESTORE:
-                assert lease is not None
+                if cheapest_route(catch_up, fresh, restore) != Route.RESTORE:
+                    break
                 restored = await self._restore(lease)
-                if restored is not None:
-                    await self._replace(restored, depth)
-                    self._snapshot_depth = max(self._snapshot_depth, depth)
-                    return await self._replay_to(target)
-                route = cheapest_route(catch_up, fresh, None)
-        finally:
-            if lease is not None:
+            finally:
                 await quietly(self._ctx.store.unlease(self._scope_key, lease.token))
+            if restored is not None:
+                await self._replace(restored, depth)
+                self._snapshot_depth = max(self._snapshot_depth, depth)
+                return await self._replay_to(target)
         if route == Route.FRESH:
             await self._replace(await self._create(), 0)
         return await self._replay_to(target)
