@@ -62,7 +62,7 @@ def print_stats(url: str, token: str | None = None) -> StatsReply:
         ("hits", f"{hits:,}"),
         ("  of which after waiting (single flight)", f"{t.waited_hits:,}"),
         ("hit rate (hits / lookups)", f"{hits / t.lookups:.1%}" if t.lookups else "-"),
-        ("misses", f"{t.misses:,}"),
+        ("misses (lookups - hits)", f"{t.lookups - hits:,}"),
         ("records (executions)", f"{t.records:,}"),
         ("released claims (failed executions)", f"{t.releases:,}"),
         ("waits", f"{t.waits:,}"),

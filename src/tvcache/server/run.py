@@ -47,20 +47,25 @@ def serve(
 ) -> None:
     """Serve the store at `store_url` (memory:// if None, sqlite:///path, redis://...) until interrupted.
 
-    `token` (or the TVCACHE_TOKEN environment variable) turns on bearer-token authentication. Per-request
+    `token` (or the TVCACHE_TOKEN environment variable) turns on bearer-token authentication; without one, only
+    a loopback `host` is accepted (ValueError otherwise). Per-request
     access logs are off by default: at tens of thousands of lookups a second they would cost more than the
     lookups; refused requests and failures are always logged."""
     if store_url is not None and store_url.startswith(("http://", "https://")):
         raise ValueError("the server's store must be memory://, sqlite:///path or redis://..., not another server")
     token = token if token is not None else os.environ.get("TVCACHE_TOKEN") or None
+    if not token and not _is_loopback(host):
+        # Whoever reaches an unauthenticated cache can record entries: hand every rollout a wrong answer.
+        raise ValueError(
+            f"{host} is reachable from other machines, so the server needs a token: pass --token TOKEN or set "
+            "TVCACHE_TOKEN (clients then use http://:TOKEN@host:port)"
+        )
     config = _logging(log_level)
     store = open_store(store_url)
     name = redact(store_url or "memory://")
     app = create_app(
         store, store_name=name, token=token, max_body=max_body, wait_cap=wait_cap, read_timeout=read_timeout
     )
-    if not token and not _is_loopback(host):
-        log.warning("serving without a token on a non-loopback address", extra={"host": host})
     log.info("serving", extra={"store": name, "host": host, "port": port, "auth": bool(token), "max_body": max_body})
     run_app(app, host, port, config, log_level=log_level, access_log=access_log, read_timeout=read_timeout)
 

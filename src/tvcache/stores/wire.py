@@ -176,6 +176,10 @@ class ErrorReply(msgspec.Struct, frozen=True):
 
 
 class Totals(msgspec.Struct, frozen=True):
+    """A server's counts since it started. `hits` are lookups answered from an entry at once; `waited_hits`
+    waits that ended with the entry another client recorded (also answers without executing); `misses` are
+    lookups that found no entry, including those that then waited."""
+
     lookups: int
     hits: int
     misses: int
