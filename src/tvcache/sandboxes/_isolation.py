@@ -118,11 +118,13 @@ class Isolation(ABC):
             await asyncio.to_thread(work)
 
     def mount_binds(self, root: str) -> None:
-        """The read-only system directories and the host's device nodes every root of the layout has."""
+        """The read-only system directories and device stand-ins every root of the layout has."""
         for source, point in self.layout.ro_binds:
             self.mounter.bind(source, root + point, readonly=True)
-        for name in DEVICES:
-            self.mounter.bind(f"/dev/{name}", f"{root}/dev/{name}", readonly=False, devices=True)
+        if self.layout.dev_binds:
+            # So this process's file tools see /dev as commands do (devices, which they refuse).
+            for name in DEVICES:
+                self.mounter.bind(f"/dev/{name}", f"{root}/dev/{name}", readonly=False)
 
 
 class SandboxRoot(ABC):

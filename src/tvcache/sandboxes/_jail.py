@@ -3,13 +3,13 @@
 Every command is started as
 
     [nsenter ... --] bwrap --unshare-pid --unshare-ipc --unshare-uts --as-pid-1 --die-with-parent --new-session
-        --dev-bind ROOT / --proc /proc  (read-only and masked /proc paths)
+        --bind ROOT / --proc /proc  (read-only and masked /proc paths)  (/dev/null & co. from the host)
         --cap-drop ALL --cap-add ...  --seccomp FD  --chdir /  -- bash ...
 
 bubblewrap (Debian's `bubblewrap`, one small C program) makes the namespaces, mounts the sandbox's root as the
-new `/` (recursively and `nosuid`; every mount in it is `nodev` but the binds of the host's /dev/null, zero,
-full, random, urandom and tty, see _layout, so a device node in a layer cannot be opened), a fresh procfs,
-pivots into the root (the host's tree is unmounted from the namespace, so no chroot trick leads back
+new `/` (recursively, and every mount `nosuid,nodev`: a device node in a layer cannot be opened), binds the
+host's /dev/null, zero, full, random, urandom and tty over the root's, mounts a fresh procfs, pivots into the
+root (the host's tree is unmounted from the namespace, so no chroot trick leads back
 out), drops capabilities, loads the seccomp filter and starts bash as PID 1 of its namespace: when bash exits
 the kernel kills everything it left, and killing bubblewrap (a timeout) takes the namespace down with it
 (`--die-with-parent`). `--new-session` detaches the command from any terminal (no TIOCSTI keystrokes into the
@@ -54,6 +54,7 @@ CAPABILITIES = (
 _READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 _MASKED_FILES = ("kcore", "keys", "key-users", "latency_stats", "timer_list", "timer_stats", "sched_debug")
 _MASKED_DIRS = ("acpi", "scsi", "asound")
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
 def _proc_options(empty: str) -> list[str]:
@@ -92,6 +93,8 @@ class Jail:
         ]
         self._tail = [
             *_proc_options(empty),
+            # Per command, not per sandbox: each bind costs every later one a read of the mount table.
+            *(arg for name in _DEVICES for arg in ("--dev-bind", f"/dev/{name}", f"/dev/{name}")),
             *("--cap-drop", "ALL"),
             *(arg for cap in CAPABILITIES for arg in ("--cap-add", cap)),
             *("--chdir", "/"),
@@ -100,5 +103,4 @@ class Jail:
     def argv(self, enter: list[str], root: str, seccomp_fd: int | None) -> list[str]:
         """`enter` (an nsenter prefix, or nothing) + bubblewrap over `root`, up to the command's `--`."""
         seccomp = [] if seccomp_fd is None else ["--seccomp", str(seccomp_fd)]
-        # --dev-bind: the root's own mounts are nodev already, all but the host's /dev/null & co. bound there.
-        return [*enter, *self._head, "--dev-bind", root, "/", *self._tail, *seccomp, "--"]
+        return [*enter, *self._head, "--bind", root, "/", *self._tail, *seccomp, "--"]

@@ -7,16 +7,14 @@ mounts for the active isolation mode:
 - overlay (root): one overlay for `/` = system root + skeleton, one per workspace mount point.
 - userns: the host's `/` cannot be an overlay lower inside a user namespace (its submounts are locked), so
   each top-level system directory without submounts (`/usr`, `/etc`, `/var`, ...) becomes an overlay of its
-  own, over a root made of the skeleton alone.
+  own, over a root made of the skeleton alone; device nodes are bound from the host.
 - copy: no overlays; the sandbox is a private copy of skeleton + workspaces, with the top-level system
   directories bound read-only (only the workspaces, /tmp, /root, /home and new top-level paths are writable).
 
-In every mode /dev/null, zero, full, random, urandom and tty are the host's device nodes, bound onto empty
-files of the skeleton: every other mount is `nodev`, so no device node made in a layer can ever be opened.
-
 The skeleton is a small layer of our own on top of the system root: empty, opaque /proc, /sys, /dev, /tmp and
-/run (so the host's contents there never show through), the device nodes' mount points, and the mount points
-of the workspaces.
+/run (so the host's contents there never show through), device nodes, and the mount points. Its device nodes
+(and the binds standing in for them) only show this process's file tools what commands see: every mount is
+`nodev`, and each command gets the host's /dev/null & co. bound afresh (see _jail).
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ HOST_ROOT = "/"
 
 #: Top-level directories a sandbox gets fresh and empty (opaque over the system root), with their modes.
 SPECIAL_DIRS = {"proc": 0o555, "sys": 0o555, "dev": 0o755, "tmp": 0o1777, "run": 0o755}
-#: The host's device nodes every sandbox has.
-DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+#: Device nodes every sandbox has: name -> (major, minor).
+DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
 _DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1"}
 _DEV_LINKS["stderr"] = "/proc/self/fd/2"
 #: Top-level host directories never exposed as system directories when the root must be assembled.
@@ -58,6 +56,8 @@ class Layout:
     """Overlay modes: the mounts, in mount order. Copy mode: the trees copied into the private root."""
     ro_binds: tuple[tuple[str, str], ...]
     """(host directory, point) bound read-only over the root (copy mode's system directories)."""
+    dev_binds: bool
+    """Bind /dev/null & co. from the host instead of relying on the skeleton's device nodes."""
     skeleton: str
 
 
@@ -108,6 +108,7 @@ def make_skeleton(
     points: list[str],
     system_names: list[str],
     extra_dirs: list[str],
+    device_nodes: bool,
     opaque_xattr: str | None,
 ) -> None:
     """Build the skeleton layer at `path` (see the module docstring)."""
@@ -121,8 +122,13 @@ def make_skeleton(
     for sub, mode in (("shm", 0o1777), ("pts", 0o755)):
         (path / "dev" / sub).mkdir()
         os.chmod(path / "dev" / sub, mode)
-    for name in DEVICES:
-        (path / "dev" / name).touch(mode=0o666)  # a mount point for the host's node
+    for name, (major, minor) in DEVICES.items():
+        node = path / "dev" / name
+        if device_nodes:
+            os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(major, minor))
+            os.chmod(node, 0o666)
+        else:
+            node.touch(mode=0o666)  # a mount point for the host's node
     for name, target in _DEV_LINKS.items():
         os.symlink(target, path / "dev" / name)
     # Mount points and their parents, looking like the system's own directories where those exist.
@@ -181,6 +187,7 @@ def build_layout(
         points=points,
         system_names=names,
         extra_dirs=extra,
+        device_nodes=mode == "overlay",
         opaque_xattr=opaque_xattr if mode != "copy" else None,
     )
     sk = str(skeleton)
@@ -195,4 +202,4 @@ def build_layout(
     else:
         overlays.append(OverlayMount("/", (*root_lowers, sk)))
     overlays += [OverlayMount(p, workspace[p]) for p in points]
-    return Layout(tuple(overlays), tuple(binds), skeleton=sk)
+    return Layout(tuple(overlays), tuple(binds), dev_binds=mode != "overlay", skeleton=sk)

@@ -45,8 +45,7 @@ class Mounter(ABC):
         """Mount an overlay on `target`; `lowers` are topmost first."""
 
     @abstractmethod
-    def bind(self, source: str, target: str, *, readonly: bool, devices: bool = False) -> None:
-        """Bind `source` onto `target`, `nodev` unless `devices`."""
+    def bind(self, source: str, target: str, *, readonly: bool) -> None: ...
 
     @abstractmethod
     def tmpfs(self, target: str, *, size: int | None, inodes: int | None) -> None:
@@ -107,8 +106,8 @@ class HostMounter(Mounter):
             raise SandboxError(f"overlay options for {target} exceed mount(2)'s 4 KiB page; merge layers sooner")
         sc.mount("overlay", target, "overlay", sc.MS_NOSUID | sc.MS_NODEV, data)
 
-    def bind(self, source: str, target: str, *, readonly: bool, devices: bool = False) -> None:
-        sc.bind_mount(source, target, readonly=readonly, devices=devices)
+    def bind(self, source: str, target: str, *, readonly: bool) -> None:
+        sc.bind_mount(source, target, readonly=readonly)
 
     def tmpfs(self, target: str, *, size: int | None, inodes: int | None) -> None:
         sc.tmpfs_mount(target, size=size, inodes=inodes)
@@ -182,8 +181,8 @@ class NamespaceMounter(Mounter):
     def overlay(self, target: str, lowers: list[str], upper: str, work: str) -> None:
         self._request(["overlay", target, lowers, upper, work])
 
-    def bind(self, source: str, target: str, *, readonly: bool, devices: bool = False) -> None:
-        self._request(["bind", source, target, readonly, devices])
+    def bind(self, source: str, target: str, *, readonly: bool) -> None:
+        self._request(["bind", source, target, readonly])
 
     def tmpfs(self, target: str, *, size: int | None, inodes: int | None) -> None:
         self._request(["tmpfs", target, size, inodes])
@@ -228,7 +227,7 @@ def _serve() -> None:
             if op == "overlay":
                 mounter.overlay(*args)
             elif op == "bind":
-                mounter.bind(args[0], args[1], readonly=args[2], devices=args[3])
+                mounter.bind(args[0], args[1], readonly=args[2])
             elif op == "tmpfs":
                 mounter.tmpfs(args[0], size=args[1], inodes=args[2])
             elif op == "detach":

@@ -6,8 +6,7 @@
 - `mount(2)`/`umount2(2)` for the rest (tmpfs, moves), and as the fallback where `lowerdir+` is unknown
   (kernels < 6.8).
 
-Every mount made here is `nosuid,nodev` (but binds of the host's own device nodes): a device node or set-uid
-file in a layer is inert.
+Every mount made here is `nosuid,nodev`: a device node or set-uid file in a layer is inert.
 - `openat2(RESOLVE_IN_ROOT)`: open a path as a sandbox sees it, absolute symlinks and `..` included, without
   ever leaving the sandbox's root.
 
@@ -186,9 +185,8 @@ class _MountAttr(ctypes.Structure):
     ]
 
 
-def bind_mount(source: str, target: str, *, readonly: bool, devices: bool = False) -> None:
-    """Bind `source` (one mount, not its submounts) onto `target`, `nosuid`, optionally read-only, and `nodev`
-    unless `devices` (for binding the host's /dev/null and the like).
+def bind_mount(source: str, target: str, *, readonly: bool) -> None:
+    """Bind `source` (one mount, not its submounts) onto `target`, `nosuid,nodev`, optionally read-only.
 
     open_tree + mount_setattr sets flags on the new mount alone, which unlike a MS_REMOUNT also works in a
     user namespace (where the source's locked flags must otherwise be repeated exactly).
@@ -202,8 +200,7 @@ def bind_mount(source: str, target: str, *, readonly: bool, devices: bool = Fals
     if fd < 0:
         _raise(f"open_tree {source}")
     try:
-        flags = _MOUNT_ATTR_NOSUID | (0 if devices else _MOUNT_ATTR_NODEV) | (_MOUNT_ATTR_RDONLY if readonly else 0)
-        attr = _MountAttr(attr_set=flags)
+        attr = _MountAttr(attr_set=_MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | (_MOUNT_ATTR_RDONLY if readonly else 0))
         res = _syscall(
             _SYS_MOUNT_SETATTR,
             ctypes.c_int(fd),
