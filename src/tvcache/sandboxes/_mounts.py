@@ -63,8 +63,9 @@ class Mounter(ABC):
     def close_netns(self, path: str) -> None: ...
 
     @abstractmethod
-    def exec_prefix(self, netns: str | None) -> list[str]:
-        """The argv prefix that starts a command in the namespace holding the mounts (and in `netns`)."""
+    def enter(self, netns: str | None) -> tuple[list[str], int | None]:
+        """How a command starts in the namespace holding the mounts and in `netns`: an argv prefix, and a
+        network namespace descriptor to spawn it from (see `_syscalls.spawning_in`), one or the other."""
 
     @abstractmethod
     def view(self, path: str) -> str:
@@ -126,8 +127,9 @@ class HostMounter(Mounter):
         if fd is not None:
             os.close(fd)
 
-    def exec_prefix(self, netns: str | None) -> list[str]:
-        return [] if netns is None else ["nsenter", f"--net={netns}", "--"]
+    def enter(self, netns: str | None) -> tuple[list[str], int | None]:
+        # Spawned straight into the network namespace: an nsenter would cost a process more per command.
+        return [], None if netns is None else self._netns[netns]
 
     def view(self, path: str) -> str:
         return path
@@ -196,9 +198,9 @@ class NamespaceMounter(Mounter):
     def close_netns(self, path: str) -> None:
         self._request(["close_netns", path])
 
-    def exec_prefix(self, netns: str | None) -> list[str]:
+    def enter(self, netns: str | None) -> tuple[list[str], int | None]:
         enter = ["nsenter", f"--target={self._proc.pid}", "--user", "--mount", "--preserve-credentials"]
-        return [*enter, *([f"--net={netns}"] if netns else []), "--"]
+        return [*enter, *([f"--net={netns}"] if netns else []), "--"], None
 
     def view(self, path: str) -> str:
         return f"/proc/{self._proc.pid}/root{path}"

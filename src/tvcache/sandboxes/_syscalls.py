@@ -15,12 +15,14 @@ The numbers of system calls added since Linux 5.1 are the same on every architec
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
 import socket
 import struct
 import threading
+from collections.abc import Iterator
 
 __all__ = [
     "MNT_DETACH",
@@ -35,6 +37,7 @@ __all__ = [
     "new_netns",
     "openat2",
     "overlay_mount",
+    "spawning_in",
     "tmpfs_mount",
     "umount",
 ]
@@ -242,6 +245,30 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = RES
 
 
 _CLONE_NEWNET = 0x40000000
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+
+
+@contextlib.contextmanager
+def spawning_in(netns: int | None) -> Iterator[None]:
+    """Run the block with the calling thread in the network namespace `netns` (None: where it is), so the
+    processes it spawns start there; the thread comes back at the end. A network namespace belongs to a
+    thread, not the process, so other threads never notice."""
+    if netns is None:
+        yield
+        return
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(netns, _CLONE_NEWNET) != 0:
+            _raise("setns(CLONE_NEWNET)")
+        try:
+            yield
+        finally:
+            if _libc.setns(home, _CLONE_NEWNET) != 0:
+                _raise("setns back to this thread's network namespace")
+    finally:
+        os.close(home)
+
+
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
