@@ -113,6 +113,17 @@ def test_the_tools_in_a_sandbox_answer_as_the_uncached_pipeline(
     assert answers["alpha"][1] != answers["beta"][1]
 
 
+def test_the_fingerprint_names_the_tools_and_videos_not_the_process(
+    videos: video_bench.Videos, boxes: VideoSandboxes, tmp_path: Path
+) -> None:
+    other = VideoSandboxes(videos.catalogue, tmp=SHM)  # what another process would make
+    shorter = clips.build((SPECS[0], clips.VideoSpec("beta", 3, 12, "bikes")), tmp_path)
+    third = VideoSandboxes(shorter, tmp=SHM)
+    assert other.fingerprint == boxes.fingerprint != third.fingerprint
+    asyncio.run(other.close())
+    asyncio.run(third.close())
+
+
 def test_bad_input_is_an_answer_and_changes_nothing(boxes: VideoSandboxes) -> None:
     async def go() -> None:
         box = await boxes.create()

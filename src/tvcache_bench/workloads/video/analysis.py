@@ -56,10 +56,9 @@ CONCEPTS: dict[str, tuple[str, ...]] = {
     "cut": ("cut", "cuts", "shot", "shots", "transition", "change", "changes"),
     "dark": ("dark", "darkest", "night", "dim", "shadow", "shadows"),
     "bright": ("bright", "brightest", "sunny", "light", "daylight"),
-    "grass": ("grass", "meadow", "hill", "field"),
-    "sky": ("sky",),
 }
-SYNONYMS = {"grass": "green", "sky": "blue", "grey": "gray", "colour": "", "color": ""}
+# Query words -> the colour family they ask about (besides the families' own names).
+SYNONYMS = {"grass": "green", "meadow": "green", "hill": "green", "field": "green", "sky": "blue", "grey": "gray"}
 
 
 @dataclass(frozen=True)
@@ -147,10 +146,9 @@ def _words(text: str) -> list[str]:
 
 
 def _concepts(words: list[str]) -> set[str]:
+    """The features (CONCEPTS' keys) and colour families a text mentions."""
     found = {concept for concept, names in CONCEPTS.items() for w in words if w in names}
-    found |= {SYNONYMS.get(w, w) for w in words if SYNONYMS.get(w, w) in COLOURS}
-    found |= {SYNONYMS[c] for c in ("grass", "sky") if c in found}
-    return found - {"grass", "sky"}
+    return found | {SYNONYMS.get(w, w) for w in words if SYNONYMS.get(w, w) in COLOURS}
 
 
 def _share(row: Row, colour: str) -> float:

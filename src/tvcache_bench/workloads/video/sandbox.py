@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import shlex
 import shutil
 import sys
 import tempfile
@@ -67,11 +68,17 @@ class VideoSandboxes:
         except BaseException:
             shutil.rmtree(self._scratch, ignore_errors=True)
             raise
-        # The tools' code, the videos and the OpenCV that runs them: what a cached answer depends on.
+        # What an answer depends on: the tools' code, the videos (their manifest holds each one's sha256) and
+        # the OpenCV that decodes them. Not the scratch paths, so every process computes the same fingerprint.
         h = hashlib.blake2b(digest_size=16)
-        for part in (_VERSION, cv2.__version__, self._inner.fingerprint):
+        for part in (_VERSION, cv2.__version__):
             h.update(part.encode() + b"\0")
-        for path in (Path(features.__file__), Path(analysis.__file__), catalogue.directory / "catalogue.json"):
+        for path in (
+            Path(__file__),
+            Path(features.__file__),
+            Path(analysis.__file__),
+            catalogue.directory / "catalogue.json",
+        ):
             h.update(path.read_bytes() + b"\0")
         self._fingerprint = h.hexdigest()
 
@@ -147,9 +154,10 @@ class VideoSandbox:
         video, db = f"{WORKDIR}/{analysis.VIDEO}", f"{WORKDIR}/{analysis.FEATURES}"
         # stderr (OpenCV and FFmpeg chatter) is kept in a shell variable, not a file, so it adds nothing to the
         # sandbox's state, and shown only when the runner fails.
-        run = f"{sys.executable} {RUNNER}/features.py {video} {db}"
-        command = f'{{ err=$({run} 2>&1 >&3); }} 3>&1; s=$?; [ $s = 0 ] || [ $s = 3 ] || echo "$err"; exit $s'
-        return await self._bash(command, answers=(0, features.ANSWERED_ERROR))
+        run = f"{shlex.quote(sys.executable)} {RUNNER}/features.py {video} {db}"
+        answered = features.ANSWERED_ERROR
+        command = f'{{ err=$({run} 2>&1 >&3); }} 3>&1; s=$?; [ $s = 0 ] || [ $s = {answered} ] || echo "$err"; exit $s'
+        return await self._bash(command, answers=(0, answered))
 
     async def _bash(self, command: str, answers: tuple[int, ...] = (0,)) -> Outcome:
         """Run `command` in the sandbox; its stdout is the answer when it exits with one of `answers`

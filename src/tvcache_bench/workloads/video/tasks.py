@@ -17,6 +17,7 @@ the first video's answers about the second.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -132,5 +133,7 @@ def _people(memory: analysis.Memory) -> int:
 
 
 def features_dir(catalogue: Catalogue) -> Path:
-    """Where `reference` keeps the features: beside the catalogue, not in it, so no sandbox sees them."""
-    return catalogue.directory.with_name(catalogue.directory.name + "-features")
+    """Where `reference` keeps the features: beside the catalogue, not in it, so no sandbox sees them, and
+    named for the preprocessing code, so a change to it computes them afresh."""
+    code = hashlib.blake2b(Path(features.__file__).read_bytes(), digest_size=6).hexdigest()
+    return catalogue.directory.with_name(f"{catalogue.directory.name}-features-{code}")
