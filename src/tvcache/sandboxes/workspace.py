@@ -8,8 +8,8 @@
 
 **Filesystem.** A sandbox's root is overlayfs: read-only lower layers (the system root, by default the host's
 `/`, and the workspace directories at their mount points) under private upper dirs on a tmpfs of the
-sandbox's own (its disk quota). `snapshot()` unmounts, moves that tmpfs into a new layer (O(1): a mount
-move), and remounts on a fresh one, so the sandbox keeps going on top of its own snapshot. `restore()` mounts
+sandbox's own (its disk quota). `snapshot()` unmounts, copies the upper dirs into a new layer (O(size of the
+diff)), and remounts on a fresh tmpfs, so the sandbox keeps going on top of its own snapshot. `restore()` mounts
 a fresh upper over a snapshot's layers. Layers are reference-counted (snapshots and live sandboxes hold them)
 and unmounted when unused; a stack that grows past `max_layers` is merged into one layer, far below
 overlayfs's limit of 500. See _isolation for the three isolation modes.
