@@ -206,8 +206,8 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
     - `cwd`: the shell's initial directory (default: the first workspace mount point); `env`: its initial
       exported environment (default: a minimal PATH, HOME, LANG and TERM).
     - `max_layers`: snapshot layers a stack may have before they are merged into one.
-    - `memory`: bytes a sandbox may use (default 2 GiB): its processes, and the files it writes, which live
-      in RAM (a cgroup; an OOM kill is a failed call).
+    - `memory`: bytes a sandbox may use (default 2 GiB): its processes, and the files it wrote since its last
+      snapshot, which live in RAM (a cgroup; an OOM kill is a failed call).
     - `disk`: bytes of files a sandbox may write (default 1 GiB; one file per KiB of it): the size of the
       tmpfs its upper dirs live on. A call that ends with it full is a failed call.
     - `max_processes`: processes and threads a sandbox may run at once (default 1,024; a cgroup; a refused
