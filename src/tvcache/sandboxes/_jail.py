@@ -16,9 +16,10 @@ the kernel kills everything it left, and killing bubblewrap (a timeout) takes th
 host's).
 
 /proc, as in Docker: `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq`, `/proc/bus` and `/proc/fs` read-only
-(`/proc/sys/kernel/core_pattern` would otherwise make the host's kernel run any program as root); Docker's
-masked files (`/proc/kcore`, `/proc/keys`, `/proc/timer_list`, `/proc/sched_debug`, ...) read as empty and
-its masked directories (`/proc/acpi`, `/proc/scsi`, `/proc/asound`) as empty and read-only. The read-only
+(`/proc/sys/kernel/core_pattern` would otherwise make the host's kernel run any program as root; `/proc/fs`
+only when something in it is writable, as /proc/fs/nfsd is); Docker's masked files (`/proc/kcore`,
+`/proc/keys`, `/proc/timer_list`, `/proc/sched_debug`, ...) read as empty and its masked directories
+(`/proc/acpi`, `/proc/scsi`, `/proc/asound`) as empty (a fresh tmpfs per command). The read-only
 views are bind mounts of the host's procfs entries, which show the same thing: a sysctl answers for the
 namespaces of the process that reads it. There is no /sys at all (Docker mounts it read-only).
 
@@ -51,7 +52,9 @@ CAPABILITIES = (
     "CAP_AUDIT_WRITE",
     "CAP_SETFCAP",
 )
-_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+#: Bound read-only; bubblewrap itself covers /proc/irq and /proc/bus (and would /proc/sys, but its check that
+#: a directory is writable says no for /proc/sys).
+_READ_ONLY = ("sys", "sysrq-trigger", "fs")
 _MASKED_FILES = ("kcore", "keys", "key-users", "latency_stats", "timer_list", "timer_stats", "sched_debug")
 _MASKED_DIRS = ("acpi", "scsi", "asound")
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -62,15 +65,30 @@ def _proc_options(empty: str) -> list[str]:
     files are bound to it (not to /dev/null, which a `nodev` bind would make unreadable instead of empty)."""
     options = ["--proc", "/proc"]
     for name in _READ_ONLY:
-        if os.path.lexists(f"/proc/{name}"):
+        if _writable(f"/proc/{name}"):
             options += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
     for name in _MASKED_FILES:
         if os.path.isfile(f"/proc/{name}"):
             options += ["--ro-bind", empty, f"/proc/{name}"]
     for name in _MASKED_DIRS:
         if os.path.isdir(f"/proc/{name}"):
-            options += ["--tmpfs", f"/proc/{name}", "--remount-ro", f"/proc/{name}"]
+            options += ["--tmpfs", f"/proc/{name}"]  # empty; what a command writes there dies with it
     return options
+
+
+def _writable(path: str) -> bool:
+    """Does `path` exist and hold a file root may write? (Each bind costs every command a little, so entries
+    with nothing writable in them, such as /proc/fs without nfsd, are left alone.)"""
+    if not os.path.isdir(path):
+        return os.path.exists(path)
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                if os.stat(os.path.join(dirpath, name)).st_mode & 0o222:
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def find_bwrap() -> str:
