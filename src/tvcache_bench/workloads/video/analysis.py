@@ -16,7 +16,7 @@ replaced by computation on the CPU:
 
 Every answer is a pure function of the sandbox's files and the arguments; bad arguments and a sandbox
 without a video or without preprocessing get an ordinary answer that says so. The files are only read:
-SQLite is opened read-only and immutable, the video through OpenCV.
+the SQLite file as bytes into an in-memory database, the video by OpenCV's decoder.
 """
 
 from __future__ import annotations
@@ -96,7 +96,10 @@ class Memory:
     @classmethod
     def load(cls, path: Path, video: Path) -> Memory:
         """The memory in the features file `path` of `video`."""
-        conn = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+        # Read as bytes and opened in memory: SQLite resolves symbolic links in paths itself, which fails on a
+        # sandbox root seen through /proc/<pid>/fd/N (a mount held by a descriptor), where plain reads work.
+        conn = sqlite3.connect(":memory:")
+        conn.deserialize(path.read_bytes())
         try:
             rows = conn.execute(
                 "SELECT id, start, end, brightness, motion, cuts, colours, embedding, people, faces, description "

@@ -18,7 +18,7 @@ Each sandbox sees `/testbed` (its folder, empty at first), `/videos` (the catalo
   folder through its mounted root: a process per call would cost more than most of the analyses.
 
 Whether a call changed the state is what the workspace observes for the two commands (its upper dir); the
-read-only tools open files read-only (SQLite `mode=ro&immutable=1`), so they report no change. A command
+read-only tools only read files (the SQLite file as bytes into memory), so they report no change. A command
 that fails for another reason than a missing video (the interpreter is not visible in the sandbox, a
 timeout) is a sandbox failure (`error=True`), never a cacheable answer.
 """
