@@ -15,8 +15,8 @@ copy's size plus `disk`. A full quota is an ENOSPC for the writer and `full()` h
 their own: the number of mounts stays a few per live sandbox, however many snapshots there are (every
 command's jail reads the mount table several times).
 
-Paths: a root's mounts are made where the mounter lives (`path`); this process reads and writes the files
-below them through `mounter.view(path)`, which is the same path except in userns mode.
+Paths: a root's mounts live in its mount space (see _mounts), made there by `space.run(...)` with their own
+paths; this process reads and writes files (also inside `run`) through `space.view(path)`.
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ from typing import Any, ClassVar
 
 from ._layers import LayerStore, copy_layer, is_empty, listing, merge_layers
 from ._layout import DEVICES, Layout, build_layout
-from ._mounts import HostMounter, Mounter, NamespaceMounter
+from ._mounts import HelperMounter, Mounter, MountSpace, PrivateMounter
 from ._rundir import mounts_below
 from ._shell import ShellState
-from ._syscalls import MS_BIND, MS_PRIVATE, MS_REC, mount
 from .base import SandboxError
 
 __all__ = ["Isolation", "SandboxRoot", "Snapshot", "choose"]
@@ -104,46 +103,50 @@ class Isolation(ABC):
     def release(self, snap: Snapshot) -> list[Path]:
         """A snapshot record is deleted: the directories nobody needs any more."""
 
-    async def remove(self, dead: Sequence[Path], *, unmount: Sequence[Path] = ()) -> None:
-        """Unmount `unmount`, then delete `dead` (directories this isolation made)."""
+    async def remove(self, dead: Sequence[Path]) -> None:
+        """Delete directories this isolation made."""
+        if dead:
+            await asyncio.to_thread(_remove_all, dead)
 
-        def work() -> None:
-            for path in unmount:
-                with contextlib.suppress(OSError):
-                    self.mounter.detach(str(path))
-            for path in dead:
-                shutil.rmtree(path, ignore_errors=True)
-
-        if dead or unmount:
-            await asyncio.to_thread(work)
-
-    def mount_binds(self, root: str) -> None:
+    def mount_binds(self, space: MountSpace, root: str) -> None:
         """The read-only system directories and device stand-ins every root of the layout has."""
         for source, point in self.layout.ro_binds:
-            self.mounter.bind(source, root + point, readonly=True)
+            space.bind(source, root + point, readonly=True)
         if self.layout.dev_binds:
             # So this process's file tools see /dev as commands do (devices, which they refuse).
             for name in DEVICES:
-                self.mounter.bind(f"/dev/{name}", f"{root}/dev/{name}", readonly=False)
+                space.bind(f"/dev/{name}", f"{root}/dev/{name}", readonly=False)
 
 
 class SandboxRoot(ABC):
-    """One sandbox's root filesystem."""
+    """One sandbox's root filesystem, mounted in a space of its own (see _mounts)."""
 
     def __init__(self, isolation: Isolation, box: Path):
         self.iso = isolation
         self.box = box
         self.path = str(box / "root")
-        self._mounted = False
+        self._space: MountSpace | None = None
+
+    @property
+    def space(self) -> MountSpace:
+        if self._space is None:
+            raise SandboxError("the sandbox's root is not mounted")
+        return self._space
 
     @property
     def view(self) -> str:
         """The root as this process sees it."""
-        return self.iso.mounter.view(self.path)
+        return self.space.view(self.path)
 
-    @abstractmethod
     async def start(self, snap: Snapshot) -> None:
         """Make the box directory and mount the root in the snapshot's state."""
+        self.box.mkdir()
+        os.mkdir(self.path)
+        self._space = await self.iso.mounter.space(self.box)
+        await self._start(snap)
+
+    @abstractmethod
+    async def _start(self, snap: Snapshot) -> None: ...
 
     @abstractmethod
     async def changed(self) -> bool:
@@ -165,19 +168,23 @@ class SandboxRoot(ABC):
         """Save the current files as a snapshot; the sandbox goes on."""
 
     @abstractmethod
-    def _scratch_mount(self) -> Path:
-        """Where the tmpfs the sandbox writes into is mounted (the mounter's path)."""
+    def _mounts(self) -> list[str]:
+        """What to unmount (with everything below) when the sandbox goes."""
 
     async def remove(self) -> None:
         """Unmount everything and delete the box (the snapshots it made stay)."""
-        with contextlib.suppress(OSError):  # already gone with the factory's run dir
-            self._unmount()
-        await self.iso.remove([self.box], unmount=[self._scratch_mount()])
+        space, self._space = self._space, None
+        if space is not None:
 
-    def _unmount(self) -> None:
-        if self._mounted:
-            self.iso.mounter.detach(self.path)
-            self._mounted = False
+            def unmount() -> None:
+                for target in self._mounts():
+                    with contextlib.suppress(OSError):
+                        space.detach(target)
+
+            with contextlib.suppress(OSError, SandboxError):  # the mounts may be gone with the factory
+                await space.run(unmount)
+            await space.close()
+        await self.iso.remove([self.box])
 
 
 # -- overlay modes -------------------------------------------------------------------------------------------
@@ -229,44 +236,46 @@ class LayeredRoot(SandboxRoot):
         self._gen = 0
         self._listings: list[list[Any] | None] = [None] * len(isolation.layout.overlays)
 
-    def _scratch_mount(self) -> Path:
-        return self.box / f"g{self._gen}"
+    def _scratch_mount(self) -> str:
+        return str(self.box / f"g{self._gen}")
+
+    def _mounts(self) -> list[str]:
+        return [self.path, self._scratch_mount()]
 
     def scratch(self) -> str:
-        return self.iso.mounter.view(str(self._scratch_mount()))
+        return self.space.view(self._scratch_mount())
 
     def _upper(self, k: int) -> str:
         return f"{self.scratch()}/u{k}"
 
-    async def start(self, snap: Snapshot) -> None:
-        self.box.mkdir()
-        os.mkdir(self.path)
+    async def _start(self, snap: Snapshot) -> None:
         self.iso.layers.acquire(snap.stack)
         self.stack = snap.stack
-        self._new_scratch()
-        self._mount()
+        await self.space.run(self._new_scratch)
+        await self.space.run(self._mount)
 
     def _new_scratch(self) -> None:
         """A fresh tmpfs for this generation's (empty) upper and work dirs."""
-        scratch = str(self._scratch_mount())
-        os.mkdir(scratch)
-        self.iso.mounter.tmpfs(scratch, size=self.iso.disk, inodes=self.iso.inodes)
+        scratch, view = self._scratch_mount(), self.space.view
+        os.mkdir(view(scratch))
+        self.space.tmpfs(scratch, size=self.iso.disk, inodes=self.iso.inodes)
         for k in range(len(self.iso.layout.overlays)):
-            os.mkdir(self._upper(k))
-            os.mkdir(f"{self.scratch()}/w{k}")
+            os.mkdir(view(f"{scratch}/u{k}"))
+            os.mkdir(view(f"{scratch}/w{k}"))
         self._listings = [None] * len(self.iso.layout.overlays)
 
     def _mount(self) -> None:
         """The overlays of the stack under this generation's upper dirs, and the layout's binds."""
-        mounter, layers = self.iso.mounter, self.iso.layers
-        scratch = str(self._scratch_mount())
+        layers, scratch = self.iso.layers, self._scratch_mount()
         for k, mnt in enumerate(self.iso.layout.overlays):
             frozen = [str(layers.dir(lid, k)) for lid in reversed(self.stack)]
-            lowers = [p for p in frozen if os.path.isdir(mounter.view(p))] + list(reversed(mnt.lowers))
+            lowers = [p for p in frozen if os.path.isdir(p)] + list(reversed(mnt.lowers))
             target = self.path + (mnt.point if mnt.point != "/" else "")
-            mounter.overlay(target, lowers, f"{scratch}/u{k}", f"{scratch}/w{k}")
-            self._mounted = True  # the first mount is the root: from now on, detaching it cleans up
-        self.iso.mount_binds(self.path)
+            self.space.overlay(target, lowers, f"{scratch}/u{k}", f"{scratch}/w{k}")
+        self.iso.mount_binds(self.space, self.path)
+
+    def _unmount(self) -> None:
+        self.space.detach(self.path)
 
     async def changed(self) -> bool:
         # An untouched upper dir is empty, checked in microseconds; otherwise compare listings.
@@ -292,16 +301,16 @@ class LayeredRoot(SandboxRoot):
         No command is running (the caller holds the sandbox) and each one's PID namespace died with it, so
         nothing can write into the upper dirs while they become a layer. If the copy fails, the sandbox goes
         on on its own upper dirs, as if no snapshot had been asked for."""
-        layers, view = self.iso.layers, self.iso.mounter.view
-        self._unmount()
+        layers, space = self.iso.layers, self.space
+        await space.run(self._unmount)
         layer_id, path = layers.new()
         layers.acquire([layer_id])
         try:
             for k in dirty:
-                await asyncio.to_thread(copy_layer, self._upper(k), view(str(path / str(k))))
+                await asyncio.to_thread(copy_layer, self._upper(k), str(path / str(k)))
         except BaseException:
             await self.iso.remove(layers.release([layer_id]))
-            self._mount()
+            await space.run(self._mount)
             raise
         self.stack = (*self.stack, layer_id)
         old = self._scratch_mount()
@@ -310,22 +319,27 @@ class LayeredRoot(SandboxRoot):
             if len(self.stack) > self.iso.max_layers:
                 await self._merge()
         finally:
-            self._new_scratch()
-            self._mount()
-            await self.iso.remove([old], unmount=[old])
+
+            def remount() -> None:
+                self._new_scratch()
+                self._mount()
+                space.detach(old)
+                os.rmdir(space.view(old))
+
+            await space.run(remount)
 
     async def _merge(self) -> None:
         """Flatten this sandbox's whole stack into one layer (the old layers live on for their snapshots)."""
-        layers, view = self.iso.layers, self.iso.mounter.view
+        layers = self.iso.layers
         layer_id, path = layers.new()
         xattr = self.iso.mounter.opaque_xattr
 
         def merge_all() -> None:
             for k, mnt in enumerate(self.iso.layout.overlays):
-                parts = [view(str(layers.dir(lid, k))) for lid in reversed(self.stack)]
+                parts = [str(layers.dir(lid, k)) for lid in reversed(self.stack)]
                 parts = [p for p in parts if os.path.isdir(p)]
                 if parts:
-                    merge_layers(parts, list(mnt.lowers), view(str(path / str(k))), xattr)
+                    merge_layers(parts, list(mnt.lowers), str(path / str(k)), xattr)
 
         await asyncio.to_thread(merge_all)
         layers.acquire([layer_id])
@@ -387,29 +401,28 @@ class CopiedRoot(SandboxRoot):
         self._data = str(box / "data")
         self._listing: list[Any] | None = None
 
-    def _scratch_mount(self) -> Path:
-        return Path(self._data)
+    def _mounts(self) -> list[str]:
+        return [self.path, self._data]
 
     def scratch(self) -> str:
-        return self.iso.mounter.view(self._data)
+        return self.space.view(self._data)
 
-    async def start(self, snap: Snapshot) -> None:
+    async def _start(self, snap: Snapshot) -> None:
         assert snap.copy is not None
-        self.box.mkdir()
-        os.mkdir(self.path)
-        os.mkdir(self._data)
         disk, inodes = self.iso.disk, self.iso.inodes
-        self.iso.mounter.tmpfs(
-            self._data,
-            size=None if disk is None else snap.size + disk,
-            inodes=None if inodes is None else snap.files + inodes,
-        )
-        self.iso.mounter.bind(self._data, self.path, readonly=False)
-        self._mounted = True
-        try:
-            await copy_tree(str(snap.copy), self.scratch())
-        finally:
-            self.iso.mount_binds(self.path)
+
+        def mount() -> None:
+            os.mkdir(self.space.view(self._data))
+            self.space.tmpfs(
+                self._data,
+                size=None if disk is None else snap.size + disk,
+                inodes=None if inodes is None else snap.files + inodes,
+            )
+            self.space.bind(self._data, self.path, readonly=False)
+
+        await self.space.run(mount)
+        await copy_tree(str(snap.copy), self.scratch())
+        await self.space.run(lambda: self.iso.mount_binds(self.space, self.path))
         self._listing = await asyncio.to_thread(listing, self.scratch())
 
     async def changed(self) -> bool:
@@ -428,6 +441,11 @@ class CopiedRoot(SandboxRoot):
             raise
         size, files = await asyncio.to_thread(_usage, str(dest))
         return Snapshot(state, copy=dest, size=size, files=files)
+
+
+def _remove_all(paths: Sequence[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _flatten(layers_top_first: list[str], dest: str, opaque_xattr: str) -> None:
@@ -472,33 +490,6 @@ async def copy_tree(src: str, dest: str) -> None:
 _MODES: dict[str, type[Isolation]] = {"overlay": OverlayIsolation, "userns": UsernsIsolation, "copy": CopyIsolation}
 
 
-def _probe(mounter: Mounter, probe_dir: Path, *, overlay: bool) -> None:
-    """A test mount: an overlay (or a bind) of one file, on a tmpfs like every sandbox's upper dirs."""
-    probe_dir.mkdir()
-    try:
-        for sub in ("lower", "scratch", "merged"):
-            (probe_dir / sub).mkdir()
-        (probe_dir / "lower" / "f").write_text("x")
-        scratch, target = str(probe_dir / "scratch"), str(probe_dir / "merged")
-        mounter.tmpfs(scratch, size=1 << 20, inodes=64)
-        try:
-            if overlay:
-                for sub in ("upper", "work"):
-                    os.mkdir(mounter.view(f"{scratch}/{sub}"))
-                mounter.overlay(target, [str(probe_dir / "lower")], f"{scratch}/upper", f"{scratch}/work")
-            else:
-                mounter.bind(str(probe_dir / "lower"), target, readonly=True)
-            try:
-                if not os.path.exists(mounter.view(target + "/f")):
-                    raise SandboxError("a test mount did not show its files")
-            finally:
-                mounter.detach(target)
-        finally:
-            mounter.detach(scratch)
-    finally:
-        shutil.rmtree(probe_dir, ignore_errors=True)
-
-
 def choose(
     isolation: str,
     run: Path,
@@ -514,24 +505,14 @@ def choose(
     if shutil.which("nsenter") is None:
         raise SandboxError("workspace sandboxes need `nsenter` (util-linux) on PATH")
     order = list(_MODES) if isolation == "auto" else [isolation]
-    if os.geteuid() == 0:
-        # A private mount of our own: nothing we mount propagates elsewhere, and one lazy unmount of the run
-        # dir detaches all of it.
-        mount(str(run), str(run), None, MS_BIND | MS_REC)
-        mount(None, str(run), None, MS_PRIVATE | MS_REC)
     errors = []
     for mode in order:
         mounter: Mounter | None = None
         try:
-            if mode == "overlay":
-                if os.geteuid() != 0:
-                    raise SandboxError("needs root (CAP_SYS_ADMIN)")
-                mounter = HostMounter()
-            elif mode == "userns":
-                mounter = NamespaceMounter()
-            else:
-                mounter = HostMounter() if os.geteuid() == 0 else NamespaceMounter()
-            _probe(mounter, run / f"probe-{mode}", overlay=mode != "copy")
+            if mode == "overlay" and os.geteuid() != 0:
+                raise SandboxError("needs root (CAP_SYS_ADMIN)")
+            mounter = PrivateMounter() if mode != "userns" and os.geteuid() == 0 else HelperMounter()
+            mounter.probe(run / f"probe-{mode}", overlay=mode != "copy")
             return _MODES[mode](run, mounter, workspace, system, disk=disk, max_layers=max_layers)
         except (OSError, SandboxError) as exc:
             if mounter is not None:

@@ -118,7 +118,7 @@ class Jail:
             *("--chdir", "/"),
         ]
 
-    def argv(self, enter: list[str], root: str, seccomp_fd: int | None) -> list[str]:
-        """`enter` (an nsenter prefix, or nothing) + bubblewrap over `root`, up to the command's `--`."""
+    def argv(self, root: str, seccomp_fd: int | None) -> list[str]:
+        """bubblewrap over `root` (a path in the sandbox's mount namespace), up to the command's `--`."""
         seccomp = [] if seccomp_fd is None else ["--seccomp", str(seccomp_fd)]
-        return [*enter, *self._head, "--bind", root, "/", *self._tail, *seccomp, "--"]
+        return [*self._head, "--bind", root, "/", *self._tail, *seccomp, "--"]

@@ -10,7 +10,8 @@ command, so it also survives snapshots and forks. The process chain is
 - bash is PID 1 of a new PID namespace: when it exits, the kernel kills everything it left running, and a
   timeout kills bubblewrap, which takes the namespace down with it.
 - NETNS is the sandbox's private network namespace (loopback only, already up), made once per sandbox; as
-  root the jail is spawned straight into it (this thread joins it for the spawn), in userns mode by nsenter.
+  root the jail is spawned straight into it and into the sandbox's mount namespace by a thread that joined
+  both (see _mounts), in userns mode through nsenter.
 - The prelude first moves the shell into the sandbox's cgroups (through descriptors opened here), so a fork
   bomb or a memory hog is capped there, then says it started: a command whose shell never said so (the
   machinery failed) is a failure, never an answer.
@@ -28,10 +29,9 @@ import contextlib
 import fcntl
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-
-from ._syscalls import spawning_in
+from typing import Any
 
 __all__ = ["BoundedOutput", "CommandResult", "ShellState", "run_bash", "state_prelude", "truncated_text"]
 
@@ -209,14 +209,15 @@ async def run_bash(
     max_output: int,
     cgroups: Sequence[str] = (),
     pass_fds: Sequence[int] = (),
-    netns: int | None = None,
+    spawn: Callable[..., Awaitable[subprocess.Popen[bytes]]] | None = None,
 ) -> CommandResult:
     """Run `command` as described in the module docstring and return its output, exit code and new state.
 
     `jail` is the argv that enters the sandbox, up to the command (see _jail). `env` is the process
     environment; it reaches bash only when `state.exports` is None (the first command of a factory).
     `cgroups` are the cgroup.procs files the shell joins; `pass_fds` are descriptors the jail needs (the
-    seccomp program), which this function closes; `netns` a network namespace to start the jail in.
+    seccomp program), which this function closes; `spawn(argv, **popen_kwargs)` starts the process (in the
+    sandbox's namespaces), by default a plain Popen.
     """
     loop = asyncio.get_running_loop()
     script = command.encode(errors="surrogateescape")
@@ -234,16 +235,14 @@ async def run_bash(
     script = _prelude(state, cgroup_fds, state_w) + script
     argv: list[str | bytes] = [*jail, "bash", "--noprofile", "--norc", "-c", script]
     fds = (state_w, *cgroup_fds, *pass_fds)
+    popen: dict[str, Any] = dict(
+        stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w, pass_fds=fds, env=env if state.exports is None else {}
+    )
     try:
-        with spawning_in(netns):
-            proc = subprocess.Popen(  # noqa: ASYNC220 - a vfork+exec, far cheaper than asyncio's machinery
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out_w,
-                stderr=out_w,
-                pass_fds=fds,
-                env=env if state.exports is None else {},
-            )
+        if spawn is None:
+            proc = subprocess.Popen(argv, **popen)  # noqa: ASYNC220 - a vfork+exec, cheaper than asyncio's machinery
+        else:
+            proc = await spawn(argv, **popen)
     except BaseException:
         os.close(out_r)
         os.close(state_r)

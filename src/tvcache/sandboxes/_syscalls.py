@@ -15,14 +15,12 @@ The numbers of system calls added since Linux 5.1 are the same on every architec
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import fcntl
 import os
 import socket
 import struct
 import threading
-from collections.abc import Iterator
 
 __all__ = [
     "MNT_DETACH",
@@ -37,9 +35,10 @@ __all__ = [
     "new_netns",
     "openat2",
     "overlay_mount",
-    "spawning_in",
+    "setns",
     "tmpfs_mount",
     "umount",
+    "unshare",
 ]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -246,27 +245,22 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = RES
 
 _CLONE_NEWNET = 0x40000000
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.unshare.argtypes = [ctypes.c_int]
+CLONE_FS = 0x200
+CLONE_NEWNS = 0x20000
+CLONE_NEWNET = _CLONE_NEWNET
 
 
-@contextlib.contextmanager
-def spawning_in(netns: int | None) -> Iterator[None]:
-    """Run the block with the calling thread in the network namespace `netns` (None: where it is), so the
-    processes it spawns start there; the thread comes back at the end. A network namespace belongs to a
-    thread, not the process, so other threads never notice."""
-    if netns is None:
-        yield
-        return
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if _libc.setns(netns, _CLONE_NEWNET) != 0:
-            _raise("setns(CLONE_NEWNET)")
-        try:
-            yield
-        finally:
-            if _libc.setns(home, _CLONE_NEWNET) != 0:
-                _raise("setns back to this thread's network namespace")
-    finally:
-        os.close(home)
+def setns(fd: int, nstype: int) -> None:
+    """Move the calling thread into the namespace `fd` refers to."""
+    if _libc.setns(fd, nstype) != 0:
+        _raise(f"setns({nstype:#x})")
+
+
+def unshare(flags: int) -> None:
+    """Give the calling thread namespaces (or attributes) of its own."""
+    if _libc.unshare(flags) != 0:
+        _raise(f"unshare({flags:#x})")
 
 
 _SIOCGIFFLAGS = 0x8913

@@ -452,9 +452,9 @@ class WorkspaceSandbox(ManagedSandbox):
         if self._cgroup is None:
             self._cgroup = ctx.cgroups.sandbox(f"{self._fs.box.name}", memory=ctx.memory, processes=ctx.max_processes)
         seccomp = [] if ctx.seccomp_fd is None else [os.open(f"/proc/self/fd/{ctx.seccomp_fd}", os.O_RDONLY)]
-        prefix, netns = ctx.mounter.enter(self._netns)
+        space = self._fs.space
         return await run_bash(
-            ctx.jail.argv(prefix, self._fs.path, seccomp[0] if seccomp else None),
+            ctx.jail.argv(self._fs.path, seccomp[0] if seccomp else None),
             command,
             self._state,
             env=ctx.env,
@@ -462,7 +462,7 @@ class WorkspaceSandbox(ManagedSandbox):
             max_output=ctx.max_output,
             cgroups=self._cgroup.procs if self._cgroup else (),
             pass_fds=seccomp,
-            netns=netns,
+            spawn=lambda argv, **popen: space.spawn(argv, self._netns, **popen),
         )
 
     async def execute(self, call: ToolCall) -> Outcome:
