@@ -1,9 +1,10 @@
 """How a sandbox's root filesystem is made, frozen and restored: one class per isolation mode.
 
-- `OverlayIsolation` (root): kernel overlayfs mounted by this process, in a private mount of the run dir.
+- `OverlayIsolation` (root): kernel overlayfs, each sandbox's in a mount namespace of its own (see _mounts).
 - `UsernsIsolation` (no root needed): the same overlays, with `userxattr`, made by a helper process in a user
-  namespace of its own (see _mounts); this process reaches them through the helper's /proc/PID/root.
-- `CopyIsolation` (no overlayfs): each sandbox and snapshot is a full copy of the workspace.
+  namespace of its own; this process reaches them through the helper's /proc/PID/root.
+- `CopyIsolation` (no overlayfs): each sandbox and snapshot is a full copy of the workspace (as root, in a
+  mount namespace of its own; otherwise in the helper's).
 
 `choose()` tries them in that order (or the one asked for) with a test mount. An isolation makes a
 `SandboxRoot` per sandbox: the root's mounts, the observation of changes, the freezing into a snapshot.
