@@ -158,10 +158,15 @@ class LiveSandbox:
         t0 = time.perf_counter()
         try:
             snapshot_id = await self._box.snapshot()
+        except SandboxError as exc:
+            # The backend's word that the sandbox is as it was (no room for a layer, say): keep it, save no more.
+            self._snapshot_failures = MAX_SNAPSHOT_FAILURES
+            log.warning("snapshot failed (%s); this sandbox takes no more snapshots", exc)
+            return
         except Exception as exc:
             self._snapshot_failures += 1
             log.warning("snapshot failed (%s); this sandbox is closed and rebuilt on the next call", exc)
-            await self.drop()  # a failed snapshot may have left the sandbox half-saved
+            await self.drop()  # a failure the backend did not expect may have left the sandbox half-saved
             return
         self._snapshot_failures = 0
         self._costs.measured_snapshot.add(time.perf_counter() - t0)
