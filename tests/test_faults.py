@@ -141,6 +141,29 @@ def test_a_lost_deepest_snapshot_falls_back_to_the_next_shallower_one() -> None:
     asyncio.run(main())
 
 
+def test_a_busy_restore_takes_another_route_and_keeps_the_snapshot() -> None:
+    class Full(FaultySandboxes):
+        async def restore(self, snapshot_id: str) -> Any:
+            raise tvcache.SandboxBusy("the holder is at capacity (429)")
+
+    async def main() -> None:
+        boxes = Full(kv.sandboxes())
+        slow = dict(W, delay=0.05)
+        async with tvcache.ToolCache() as cache:
+            async with cache.rollout("t", boxes, kv.TOOLS) as r:
+                await r.call("write", slow)
+            (record,) = await cache.store.snapshots(cache.scope("t", boxes).key)
+            async with cache.rollout("t", boxes, kv.TOOLS) as r:
+                await r.call("write", slow)
+                assert (await r.call("append", {"key": "a", "value": "y"})).output == 2
+            kept = await cache.store.snapshots(cache.scope("t", boxes).key)
+            assert record.snapshot_id in {k.snapshot_id for k in kept}  # still known, for a later restore
+            assert (cache.stats()["restores"], cache.stats()["replays"]) == (0, 1)
+        assert not boxes.open
+
+    asyncio.run(main())
+
+
 def test_a_store_outage_slows_rollouts_down_but_never_misleads_them() -> None:
     calls = [("write", W), ("read", {"key": "a"}), ("append", APPEND), ("read", {"key": "a"}), ("list", {})]
 

@@ -14,7 +14,7 @@ from .cache import ToolCache
 from .calls import ToolCall, Tools, parse_tool_call
 from .graph import Entry, Scope
 from .rollout import Result, Rollout, current_rollout
-from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
+from .sandboxes.base import Outcome, Sandbox, SandboxBusy, SandboxError, Sandboxes
 from .stores.base import Store, StoreError
 from .sync import SyncRollout, SyncToolCache
 from .version import __version__
@@ -29,6 +29,7 @@ __all__ = [
     "Rollout",
     "SQLiteSandboxes",
     "Sandbox",
+    "SandboxBusy",
     "SandboxError",
     "Sandboxes",
     "Scope",

@@ -22,7 +22,7 @@ from .calls import ToolCall
 from .context import Context, Factory
 from .graph import child_id, decode_output, encode_output
 from .policy import Route, cheapest_route, should_snapshot, worth_leasing
-from .sandboxes.base import Sandbox, SandboxError, Sandboxes
+from .sandboxes.base import Sandbox, SandboxBusy, SandboxError, Sandboxes
 from .stores.base import Lease, StoreError
 
 __all__ = ["History", "LiveSandbox", "Step", "quietly"]
@@ -122,6 +122,9 @@ class LiveSandbox:
                 if cheapest_route(catch_up, fresh, restore) != Route.RESTORE:
                     break
                 restored = await self._restore(lease)
+            except SandboxBusy as exc:
+                log.info("restore of snapshot %s deferred (%s); taking another route", lease.snapshot_id, exc)
+                break
             finally:
                 await quietly(self._ctx.store.unlease(self._scope_key, lease.token))
             if restored is not None:
@@ -212,6 +215,8 @@ class LiveSandbox:
         t0 = time.perf_counter()
         try:
             box = await self._sandboxes.restore(lease.snapshot_id)
+        except SandboxBusy:
+            raise  # still there: the caller takes another route without forgetting it
         except Exception as exc:
             # Gone (deleted by another process, lost with its host or in a restart): forget it, take another route.
             log.warning("restore of snapshot %s failed (%s); falling back", lease.snapshot_id, exc)

@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..calls import ToolCall
 
-__all__ = ["Outcome", "Output", "Sandbox", "SandboxError", "Sandboxes"]
+__all__ = ["Outcome", "Output", "Sandbox", "SandboxBusy", "SandboxError", "Sandboxes"]
 
 #: A tool's output: text, bytes, or a JSON value (dicts, lists, numbers, ...).
 Output = str | bytes | int | float | bool | None | list[Any] | dict[str, Any]
@@ -35,6 +35,11 @@ class Outcome:
 
 class SandboxError(RuntimeError):
     """A sandbox backend failed (not the tool: the machinery around it)."""
+
+
+class SandboxBusy(SandboxError):
+    """The backend cannot do it now (at capacity, overloaded), but nothing is lost: the snapshot asked for still
+    exists. The cache then takes another route without forgetting the snapshot, as it does for other failures."""
 
 
 @runtime_checkable

@@ -46,7 +46,7 @@ import msgspec
 from ..calls import ToolCall
 from ..extras import require
 from ..graph import decode_output
-from .base import Outcome, SandboxError
+from .base import Outcome, SandboxBusy, SandboxError
 from .remote_wire import (
     CreateRequest,
     ErrorReply,
@@ -201,7 +201,12 @@ class RemoteSandboxes:
         server = await self._holder(snapshot_id)
         if server.down_until > time.monotonic():
             raise SandboxError(f"snapshot {snapshot_id} is on {server.url}, which did not answer lately")
-        reply: SandboxReply = await self._call(server, "restore", SnapshotRequest(snapshot_id), SandboxReply)
+        try:
+            reply: SandboxReply = await self._call(server, "restore", SnapshotRequest(snapshot_id), SandboxReply)
+        except _Refused as exc:
+            if exc.status == 429:  # the holder is full: the snapshot is still there for a later restore
+                raise SandboxBusy(str(exc)) from exc
+            raise
         server.load = reply.live
         return self._hold(server, reply.sandbox)
 
