@@ -362,3 +362,37 @@ def test_bad_calls_get_clear_errors() -> None:
             assert (await r.call("read", {"key": "a"})).output == "<missing>"  # still usable
 
     run(main())
+
+
+def test_rollouts_that_waited_for_a_state_change_restore_its_snapshot_instead_of_replaying() -> None:
+    # Eight rollouts issue the same slow write at once: one executes it, seven wait. Each then reads a key of its
+    # own, a miss in the new state. The state is saved before the waiters are let go, so each restores it (a
+    # snapshot that takes a while, as a workspace's or a container's does, used to come too late).
+    class SlowSnapshots(FaultySandboxes):
+        async def create(self) -> Any:
+            box = await super().create()
+            inner = box.snapshot
+
+            async def snapshot() -> str:
+                await asyncio.sleep(0.05)
+                return await inner()
+
+            box.snapshot = snapshot
+            return box
+
+    async def main() -> None:
+        boxes = SlowSnapshots(kv.sandboxes())
+        async with tvcache.ToolCache() as cache:
+
+            async def rollout(i: int) -> Any:
+                async with cache.rollout("t", boxes, kv.TOOLS) as r:
+                    await r.call("write", slow(W, 0.1))
+                    return (await r.call("read", {"key": f"k{i}"})).output
+
+            assert await asyncio.gather(*(rollout(i) for i in range(8))) == ["<missing>"] * 8
+            stats = cache.stats()
+            assert (stats["executions"], stats["waits"], stats["snapshots"]) == (9, 7, 1)
+            assert (stats["replays"], stats["restores"] + stats["warm"]) == (0, 7)
+        assert not boxes.open
+
+    run(main())

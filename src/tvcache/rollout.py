@@ -238,14 +238,16 @@ class Rollout:
             if outcome.error:
                 return self._failed(call, outcome, blob, start)
             kind = self._kind(call, outcome)
+            if kind == EDGE:
+                self._history.advance(call, blob, seconds)
+                self._live.applied()
+                # Before the entry lands: the rollouts waiting on this claim move to the new state with it, and
+                # their next miss there should find it saved rather than each rebuild it from scratch.
+                await self._live.maybe_snapshot()
             if len(blob) > self._ctx.max_output_bytes:
                 self._ctx.stats.uncached += 1
             else:
                 await self._record(claim, Entry(kind, blob, seconds, call.label()))
-        if kind == EDGE:
-            self._history.advance(call, blob, seconds)
-            self._live.applied()
-            await self._live.maybe_snapshot()
         return self._executed(blob, start)
 
     async def _record(self, claim: _Claim, entry: Entry) -> None:
