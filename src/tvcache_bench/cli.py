@@ -7,6 +7,7 @@ and `import tvcache` never load the benchmarks.
     tvcache bench swe [--tasks N] [--epochs E] [--timeout S] [common]
     tvcache bench airline [--tasks N] [--epochs E] [--latency S] [common]
     tvcache bench video [--tasks N] [--epochs E] [--rollouts R] [--seed S] [common]
+    tvcache bench grpo [--steps N] [--seed S] [--json OUT] [--charts DIR]
         common: [--batch B] [--concurrency C] [--strategies LIST] [--store URL] [--no-progress]
                 [--json OUT] [--charts DIR]
 
@@ -53,6 +54,7 @@ BENCHES = {
     "redis": "lookups/s through the Redis store at 1 and 32 clients",
     "remote": "a sandbox through tvcache sandbox-server (loopback and veth) next to in-process: latency, calls/s",
     "docker": "Docker containers next to the same image's layers in workspace sandboxes; creations/s by concurrency",
+    "grpo": "a real GRPO run (TRL, SmolLM2-135M on the CPU, text-to-SQL tool calls) twice, without and with tvcache",
 }
 
 
@@ -167,6 +169,12 @@ def _check(args: argparse.Namespace, command: str) -> None:
             require("docker", "this command", "aiodocker")
         if workload == "video":
             require("bench", "this command", "cv2")
+        if workload == "grpo":
+            require("trl", "this command", "trl", "torch", "datasets", "gguf")
+            workloads_dir()
+            from .workloads.grpo.model import gguf_file
+
+            gguf_file()  # MissingModel (a MissingExtra) names the package to install
     store = getattr(args, "store", None)
     if store is not None:
         from tvcache.stores import open_store
@@ -195,6 +203,9 @@ def _failed_strategies(command: str, summary: Any) -> int:
             f"{first}), so nothing was measured",
             file=sys.stderr,
         )
+    if isinstance(summary, dict) and summary.get("identical") is False:  # tvcache bench grpo
+        print(f"{command}: error: the rewards with tvcache differ from those without it", file=sys.stderr)
+        return 1
     return 1 if failed else 0
 
 
@@ -290,6 +301,7 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "swe": {"tasks": None, "epochs": 1, "timeout": 60.0, "no_warmup": False, "turns": "step"},
     "airline": {"tasks": None, "epochs": 1, "latency": 0.05, "turns": "step"},
     "video": {"tasks": None, "epochs": 1, "rollouts": 8, "seed": 0, "turns": "step"},
+    "grpo": {"steps": 10, "seed": 0},
 }
 _REPLAY_OPTIONS = {"batch": 4, "concurrency": 8, "strategies": list(STRATEGIES), "store": None, "no_progress": False}
 for _options in ("sql", "swe", "airline", "video"):
@@ -311,7 +323,10 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rollouts", type=_positive_int, metavar="R", help="(sql, video) rollouts per task (default 8)"
     )
-    parser.add_argument("--seed", type=int, metavar="S", help="(sql, video) seed of the rollout policy (default 0)")
+    parser.add_argument(
+        "--seed", type=int, metavar="S", help="(sql, video, grpo) seed of the rollout policy or training (default 0)"
+    )
+    parser.add_argument("--steps", type=_positive_int, metavar="N", help="(grpo) training steps (default 10)")
     parser.add_argument("--no-tpch", action="store_true", default=None, help="(sql) leave out the TPC-H tasks")
     parser.add_argument(
         "--latency",
@@ -372,6 +387,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         from .workloads import quick
 
         return quick.run(charts=charts)
+    if workload == "grpo":
+        from .workloads.grpo import bench as grpo
+
+        return grpo.run(o["steps"], seed=o["seed"], charts=charts)
     if workload == "synthetic":
         from .workloads import synthetic
 
