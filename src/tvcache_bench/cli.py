@@ -395,37 +395,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         from .workloads import synthetic
 
         return synthetic.run(charts=charts)
-    if workload == "airline":
-        from .workloads.airline import bench as airline_bench
-
-        return airline_bench.run(
-            tasks=o["tasks"],
-            epochs=o["epochs"],
-            latency=o["latency"],
-            batch=o["batch"],
-            concurrency=o["concurrency"],
-            strategies=o["strategies"],
-            store=o["store"],
-            charts=charts,
-            progress=not o["no_progress"],
-            turns=o["turns"],
-        )
-    if workload == "video":
-        from .workloads.video import bench as video_bench
-
-        return video_bench.run(
-            tasks=o["tasks"],
-            epochs=o["epochs"],
-            rollouts=o["rollouts"],
-            seed=o["seed"],
-            batch=o["batch"],
-            concurrency=o["concurrency"],
-            strategies=o["strategies"],
-            store=o["store"],
-            charts=charts,
-            progress=not o["no_progress"],
-            turns=o["turns"],
-        )
     from .replay import ReplayOptions
 
     options = ReplayOptions(
@@ -435,6 +404,15 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         progress=not o["no_progress"],
         turns=o["turns"],
     )
+    common: dict[str, Any] = {"options": options, "strategies": o["strategies"], "store": o["store"], "charts": charts}
+    if workload == "airline":
+        from .workloads.airline import bench as airline_bench
+
+        return airline_bench.run(tasks=o["tasks"], latency=o["latency"], **common)
+    if workload == "video":
+        from .workloads.video import bench as video_bench
+
+        return video_bench.run(tasks=o["tasks"], rollouts=o["rollouts"], seed=o["seed"], **common)
     if workload == "sql":
         from .workloads import sql
 

@@ -35,7 +35,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from tvcache.calls import ToolCall, Tools
 from tvcache.rollout import Result
@@ -296,15 +296,11 @@ async def bench(
 def run(
     *,
     tasks: int | None = None,
-    epochs: int = 1,
     latency: float = LATENCY,
-    batch: int = 4,
-    concurrency: int = 8,
+    options: ReplayOptions | None = None,
     strategies: Sequence[str] = STRATEGIES,
     store: str | None = None,
     charts: str | None = None,
-    progress: bool = True,
-    turns: Literal["step", "strategy"] = "step",
 ) -> dict[str, Any]:
     """`tvcache bench airline`: conformance of the tools, then the replay; prints both, returns the figures."""
     console = wide_console()
@@ -316,7 +312,6 @@ def run(
     )
     for line in report.summary().splitlines()[1:]:
         console.print(line, highlight=False, markup=False)
-    options = ReplayOptions(batch=batch, epochs=epochs, concurrency=concurrency, progress=progress, turns=turns)
     result, states = asyncio.run(
         bench(tasks=tasks, latency=latency, options=options, strategies=strategies, store=store)
     )

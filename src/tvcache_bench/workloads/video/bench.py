@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from tvcache.calls import Tools
 
@@ -132,16 +132,12 @@ async def bench(
 def run(
     *,
     tasks: int | None = None,
-    epochs: int = 1,
     rollouts: int = ROLLOUTS,
     seed: int = 0,
-    batch: int = 4,
-    concurrency: int = 8,
+    options: ReplayOptions | None = None,
     strategies: Sequence[str] = STRATEGIES,
     store: str | None = None,
     charts: str | None = None,
-    progress: bool = True,
-    turns: Literal["step", "strategy"] = "step",
 ) -> dict[str, Any]:
     """`tvcache bench video`: prints the report, writes charts, returns the figures for `--json`."""
     console = wide_console()
@@ -153,7 +149,6 @@ def run(
         + (f" (built and preprocessed in {videos.seconds:.1f} s)" if videos.seconds > 1 else ""),
         highlight=False,
     )
-    options = ReplayOptions(batch=batch, epochs=epochs, concurrency=concurrency, progress=progress, turns=turns)
     result = asyncio.run(
         bench(videos, rollouts=rollouts, seed=seed, options=options, strategies=strategies, store=store)
     )
