@@ -2,8 +2,8 @@
 sandboxes do (see _shell): the working directory and exported variables, saved by an EXIT trap, replayed by a
 prelude before the next command.
 
-The prelude and the trap are this module's own (the workspace's live in _shell, whose fds and pipes differ);
-what is shared is the state itself, `ShellState`, and its meaning. The exec runs a small wrapper bash, which
+The prelude, the trap and the state they carry are the workspace's (_shell); what differs is the plumbing
+around them. The exec runs a small wrapper bash, which
 
 - keeps the exec's stderr stream as the state channel (fd 253) and sends all of the command's output, stdout
   and stderr alike, to its stdout stream, so the two stay interleaved as they were written;
@@ -23,18 +23,11 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-from ._shell import BoundedOutput, ShellState, bash_quote
+from ._shell import STATE_FD, BoundedOutput, ShellState, parse_state, state_prelude
 
 __all__ = ["ExecResult", "kill_everything", "run_bash"]
 
-#: The state channel inside the wrapper and the command: high, so scripts' own `exec 3>...` miss it.
-STATE_FD = 253
 _END = b"\0\0tvcache-exec-end\0"
-# $? first: the trap must not change the exit status. PWD, OLDPWD and SHLVL are bash's own and saved apart.
-_TRAP = (
-    'trap \'__tvcache_rc=$?; { printf "%s\\0%s\\0%s\\0" "$__tvcache_rc" "$PWD" "${OLDPWD-}"; '
-    f"unset PWD OLDPWD SHLVL __tvcache_rc; export -p; }} >&{STATE_FD} 2>/dev/null' EXIT"
-)
 
 WRAPPER = f"""exec {STATE_FD}>&2 2>&1
 if [ "$2" = clean ]; then (exec -c bash --noprofile --norc -c "$1"); else bash --noprofile --norc -c "$1"; fi
@@ -48,26 +41,6 @@ exit $rc"""
 
 #: Run as root after a timeout: ends the command and everything it started, and the same clean-up.
 KILL = 'kill -9 -1 2>/dev/null; shopt -s nullglob dotglob; left=(/dev/shm/* /dev/mqueue/*); rm -rf -- "${left[@]}"'
-
-
-def _prelude(state: ShellState) -> bytes:
-    """Put the shell where the last command left it: exports, working directories; then set the trap."""
-    lines = []
-    if state.exports is not None:
-        lines.append(b"{\n" + state.exports + b"\n} 2>/dev/null")
-    lines.append(b"cd -- " + bash_quote(state.cwd) + b" 2>/dev/null || cd /")
-    # Put OLDPWD back as it was (the `cd` above just set it); "exported, no value" is how bash starts.
-    lines.append(b"OLDPWD=" + bash_quote(state.oldpwd) if state.oldpwd else b"unset OLDPWD; declare -x OLDPWD")
-    lines.append(_TRAP.encode())
-    return b"\n".join(lines) + b"\n"
-
-
-def _parse_state(dump: bytes, previous: ShellState) -> ShellState:
-    parts = dump.split(b"\0", 3)
-    if len(parts) < 4:
-        return previous  # no dump: the command replaced the shell (`exec`) or its EXIT trap
-    _, cwd, oldpwd, exports = parts
-    return ShellState(cwd=cwd, oldpwd=oldpwd, exports=exports.rstrip(b"\n"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +77,7 @@ async def run_bash(
     `on_timeout` is an async callable that kills the command (see `kill_everything`); it is awaited when
     `timeout` seconds pass, after which the output read so far is returned with `timed_out`.
     """
-    script = _prelude(state) + command.encode(errors="surrogateescape")
+    script = state_prelude(state) + command.encode(errors="surrogateescape")
     argv = ["bash", "--noprofile", "--norc", "-c", WRAPPER, "tvcache", script.decode(errors="surrogateescape")]
     argv.append("clean" if state.exports is not None else "inherit")
     execution = await container.exec(argv, stdout=True, stderr=True, user=user)
@@ -131,7 +104,7 @@ async def run_bash(
     if timed_out or not marker:
         return ExecResult(output.text(), None, timed_out, state, finished=False)
     code = int(rc) if rc.isdigit() else None
-    return ExecResult(output.text(), code, False, _parse_state(dump, state), finished=True)
+    return ExecResult(output.text(), code, False, parse_state(dump, state), finished=True)
 
 
 async def kill_everything(container: Any) -> None:

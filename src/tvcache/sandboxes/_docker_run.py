@@ -16,7 +16,7 @@ from typing import Any
 
 import aiodocker
 
-from ._rundir import _start_time
+from ._rundir import process_start_time
 
 __all__ = ["RUN_LABEL", "SNAPSHOT_REPO", "new_run", "reap_dead_runs", "remove_run"]
 
@@ -28,7 +28,7 @@ OWNER_LABEL = "tvcache.owner"
 
 def new_run() -> dict[str, str]:
     """The labels of a new run of this process."""
-    owner = f"{socket.gethostname()} {os.getpid()} {_start_time(os.getpid())}"
+    owner = f"{socket.gethostname()} {os.getpid()} {process_start_time(os.getpid())}"
     return {RUN_LABEL: f"tvcache-{os.getpid()}-{secrets.token_hex(4)}", OWNER_LABEL: owner}
 
 
@@ -37,7 +37,7 @@ def _owner_gone(owner: str) -> bool:
         host, pid, start = owner.split(" ")
     except ValueError:
         return False  # not ours to judge
-    return host == socket.gethostname() and _start_time(int(pid)) != start
+    return host == socket.gethostname() and process_start_time(int(pid)) != start
 
 
 async def reap_dead_runs(docker: aiodocker.Docker) -> int:

@@ -19,12 +19,12 @@ from pathlib import Path
 from . import _syscalls as sc
 from ._cgroups import remove_tree
 
-__all__ = ["RunDir", "mounts_below", "reap_stale"]
+__all__ = ["RunDir", "mounts_below", "process_start_time", "reap_stale"]
 
 ROOT_NAME = "tvcache-workspace"
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -44,7 +44,7 @@ def _owner_alive(run_dir: Path) -> bool:
             return time.time() - run_dir.stat().st_mtime < 60
         except OSError:
             return False
-    return _start_time(int(pid_text)) == start
+    return process_start_time(int(pid_text)) == start
 
 
 def mounts_below(path: Path) -> list[str]:
@@ -90,7 +90,7 @@ class RunDir:
         self.name = f"run-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = root / self.name
         self.path.mkdir(mode=0o700)
-        start = _start_time(os.getpid())
+        start = process_start_time(os.getpid())
         (self.path / "owner").write_text(f"{os.getpid()} {start}\n")
 
     def record_cgroups(self, dirs: list[Path]) -> None:

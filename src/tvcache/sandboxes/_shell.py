@@ -33,7 +33,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BoundedOutput", "CommandResult", "ShellState", "run_bash", "state_prelude", "truncated_text"]
+__all__ = [
+    "STATE_FD",
+    "BoundedOutput",
+    "CommandResult",
+    "ShellState",
+    "parse_state",
+    "run_bash",
+    "state_prelude",
+    "truncated_text",
+]
 
 #: The file descriptor the EXIT trap writes the shell state to; high so scripts' own `exec 3>...` miss it.
 STATE_FD = 253
@@ -150,8 +159,9 @@ def state_prelude(state: ShellState) -> bytes:
     return b"\n".join(lines) + b"\n"
 
 
-def _parse_state(dump: bytes, previous: ShellState) -> ShellState:
-    parts = dump[len(_STARTED) :].split(b"\0", 3)
+def parse_state(dump: bytes, previous: ShellState) -> ShellState:
+    """The state the EXIT trap of `state_prelude` wrote, or `previous` when it wrote none."""
+    parts = dump.split(b"\0", 3)
     if len(parts) < 4:
         return previous  # no dump: the command replaced the shell (`exec`) or its EXIT trap
     _, cwd, oldpwd, exports = parts
@@ -276,4 +286,4 @@ async def run_bash(
         return CommandResult(output.text(), None, True, state, started)
     code = exited.result()
     exit_code = code if code >= 0 else 128 - code
-    return CommandResult(output.text(), exit_code, False, _parse_state(dump.head(), state), started)
+    return CommandResult(output.text(), exit_code, False, parse_state(dump.head()[len(_STARTED) :], state), started)
