@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 import tvcache
-from test_workspace import AVAILABLE, MODES, TMP, bash, factory_for, out, run, small_base, usable
+from shell_oracle import bash, out, run
+from test_workspace import AVAILABLE, MODES, TMP, factory_for, small_base, usable
 from tvcache import SandboxError, ToolCall
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
 

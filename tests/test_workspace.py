@@ -12,22 +12,20 @@ import hashlib
 import os
 import random
 import shutil
-import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import tvcache
+from shell_oracle import Listener, bash, cached_rollouts_wrong, out, random_command, rollout_plan, run, uncached
 from tvcache import SandboxError, ToolCall
-from tvcache.sandboxes.workspace import WorkspaceSandbox, WorkspaceSandboxes
+from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
 MODES = ["overlay", "userns", "copy"]
 TMP = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -97,21 +95,6 @@ def tree_digest(path: Path) -> str:
             full = Path(root, name)
             h.update(str(full.relative_to(path)).encode() + b"\0" + full.read_bytes())
     return h.hexdigest()
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-async def bash(box: WorkspaceSandbox, command: str) -> dict[str, Any]:
-    outcome = await box.execute(ToolCall("bash", {"command": command}))
-    assert not outcome.error, outcome
-    assert isinstance(outcome.output, dict)
-    return outcome.output
-
-
-async def out(box: WorkspaceSandbox, command: str) -> str:
-    return str((await bash(box, command))["output"])
 
 
 def factory_for(base: Path, mode: str, **kw: Any) -> WorkspaceSandboxes:
@@ -384,26 +367,8 @@ def test_fork_bomb_is_contained(base: Path, mode: str) -> None:
     assert not _host_processes_with("bomb")
 
 
-class _Listener:
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen()
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            conn.sendall(b"hello from the host\n")
-            conn.close()
-
-
 def test_network_is_cut_unless_asked_for(base: Path, mode: str) -> None:
-    listener = _Listener()
+    listener = Listener()
     connect = f"exec 3<>/dev/tcp/127.0.0.1/{listener.port} && head -1 <&3"
 
     async def main() -> None:
@@ -559,40 +524,6 @@ def test_mount2_fallback_for_kernels_without_lowerdir_plus(base: Path) -> None:
 
 # -- the oracle invariant ------------------------------------------------------------------------------
 
-FILES = ["a", "b", "data/a.txt", "data/b.txt", "d/e", "README"]
-DIRS = ["/testbed", "/testbed/data", "/testbed/d", "/tmp/w"]
-
-
-def random_command(rng: random.Random) -> str:
-    """A shell step: file writes, appends, deletes, renames, cd, export, or a read."""
-    f, g = rng.choice(FILES), rng.choice(FILES)
-    word = rng.choice(["x", "y", "zz", "a b"])
-    n = rng.randrange(4)
-    return rng.choice(
-        [
-            f"mkdir -p $(dirname {f}) && echo '{word}' > {f}",
-            f"echo '{word}' >> {f} 2>&1",
-            f"rm -f {f}",
-            f"rm -rf {rng.choice(['data', 'd', 'src'])}",
-            f"mv {f} {g} 2>&1; echo $?",
-            f"mkdir -p {rng.choice(DIRS)} && cd {rng.choice(DIRS)}",
-            f"export V{n}='{word}'",
-            f"unset V{n}",
-            f"cat {f} 2>&1",
-            "pwd; env | grep ^V | sort",
-            "find /testbed /tmp/w 2>/dev/null | sort",
-            f"wc -c {f} 2>&1; ls -1A",
-        ]
-    )
-
-
-async def fresh_outputs(boxes: WorkspaceSandboxes, history: list[str]) -> list[dict[str, Any]]:
-    box = await boxes.create()
-    try:
-        return [await bash(box, c) for c in history]
-    finally:
-        await box.close()
-
 
 def test_snapshot_restore_then_continue_equals_fresh_history(base: Path, mode: str) -> None:
     async def main() -> None:
@@ -610,7 +541,7 @@ def test_snapshot_restore_then_continue_equals_fresh_history(base: Path, mode: s
                     fork = await boxes.restore(snap)
                     branch = [random_command(rng) for _ in range(5)]
                     got = [await bash(fork, c) for c in branch]
-                    expected = await fresh_outputs(boxes, trunk[:cut] + branch)
+                    expected = await uncached(boxes, trunk[:cut] + branch)
                     assert got == expected[cut:], (trunk[:cut], branch)
                     await fork.close()
                 await box.close()
@@ -624,30 +555,8 @@ def test_cache_results_equal_fresh_history(base: Path) -> None:
         pytest.skip("needs overlay or userns isolation")
 
     async def main() -> int:
-        rng = random.Random(7)
-        shared = [random_command(rng) for _ in range(6)]
-        plan = []
-        for _ in range(4):
-            cut = rng.randrange(len(shared) + 1)
-            plan.append(shared[:cut] + [random_command(rng) for _ in range(6 - cut)])
-        wrong = 0
-        async with WorkspaceSandboxes(base) as boxes, tvcache.ToolCache(snapshot_budget=4) as cache:
-
-            async def rollout(commands: list[str]) -> list[Any]:
-                got = []
-                async with cache.rollout("task", boxes) as r:
-                    for command in commands:
-                        await asyncio.sleep(rng.choice([0, 0.002]))
-                        got.append((await r.call("bash", {"command": command})).output)
-                return got
-
-            for _ in range(2):  # the second round mostly hits
-                results = await asyncio.gather(*(rollout(c) for c in plan))
-                for commands, got in zip(plan, results, strict=True):
-                    expected = await fresh_outputs(boxes, commands)
-                    wrong += sum(a != b for a, b in zip(got, expected, strict=True))
-            assert cache.stats()["hits"] > 0
-        return wrong
+        async with WorkspaceSandboxes(base) as boxes:
+            return await cached_rollouts_wrong(boxes, boxes, rollout_plan(7, 4, 6), rounds=2)
 
     assert run(main()) == 0
 

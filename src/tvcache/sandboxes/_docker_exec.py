@@ -23,7 +23,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-from ._shell import STATE_FD, BoundedOutput, ShellState, parse_state, state_prelude
+from ._shell import STATE_FD, BoundedOutput, ShellState, parse_state, state_script
 
 __all__ = ["ExecResult", "kill_everything", "run_bash"]
 
@@ -77,7 +77,7 @@ async def run_bash(
     `on_timeout` is an async callable that kills the command (see `kill_everything`); it is awaited when
     `timeout` seconds pass, after which the output read so far is returned with `timed_out`.
     """
-    script = state_prelude(state) + command.encode(errors="surrogateescape")
+    script = state_script(state, command.encode(errors="surrogateescape"))
     argv = ["bash", "--noprofile", "--norc", "-c", WRAPPER, "tvcache", script.decode(errors="surrogateescape")]
     argv.append("clean" if state.exports is not None else "inherit")
     execution = await container.exec(argv, stdout=True, stderr=True, user=user)

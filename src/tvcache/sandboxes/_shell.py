@@ -40,7 +40,7 @@ __all__ = [
     "ShellState",
     "parse_state",
     "run_bash",
-    "state_prelude",
+    "state_script",
     "truncated_text",
 ]
 
@@ -143,24 +143,29 @@ def _prelude(state: ShellState, cgroup_fds: Sequence[int], state_fd: int) -> byt
     if state_fd != STATE_FD:  # after the joins: STATE_FD may have been one of theirs
         lines.append(f"exec {STATE_FD}>&{state_fd} {state_fd}>&-".encode())
     lines.append(f"printf {_STARTED.decode()} >&{STATE_FD}".encode())
-    return b"\n".join(lines) + b"\n" + state_prelude(state)
+    return b"\n".join(lines) + b"\n"
 
 
-def state_prelude(state: ShellState) -> bytes:
-    """Script lines that put a fresh bash where the last command left it (exports, working directories) and
-    set the EXIT trap that saves its state to STATE_FD: for any backend that runs commands this way."""
+def state_script(state: ShellState, command: bytes) -> bytes:
+    """A script that puts a fresh bash where the last command left it (exports, working directories), then runs
+    `command` with the EXIT trap that saves its state to STATE_FD: for any backend that runs commands this way.
+
+    The command runs in a bash of its own, exec'd with the state in its environment and the trap on its first line,
+    so its line numbers are its own: `cd /nope` fails with "bash: line 1: ..." as under `bash -c`, whatever the
+    prelude's length (which differs between backends)."""
     lines = []
     if state.exports is not None:
         lines.append(b"{\n" + state.exports + b"\n} 2>/dev/null")
     lines.append(b"cd -- " + bash_quote(state.cwd) + b" 2>/dev/null || cd /")
     # Put OLDPWD back as it was (the `cd` above just set it); "exported, no value" is how bash starts.
     lines.append(b"OLDPWD=" + bash_quote(state.oldpwd) if state.oldpwd else b"unset OLDPWD; declare -x OLDPWD")
-    lines.append(_TRAP.encode())
+    lines.append(b"unset SHLVL")  # so the command's bash counts itself the first, as under `bash -c`
+    lines.append(b"exec bash --noprofile --norc -c " + bash_quote(_TRAP.encode() + b"; " + command))
     return b"\n".join(lines) + b"\n"
 
 
 def parse_state(dump: bytes, previous: ShellState) -> ShellState:
-    """The state the EXIT trap of `state_prelude` wrote, or `previous` when it wrote none."""
+    """The state the EXIT trap of `state_script` wrote, or `previous` when it wrote none."""
     parts = dump.split(b"\0", 3)
     if len(parts) < 4:
         return previous  # no dump: the command replaced the shell (`exec`) or its EXIT trap
@@ -242,7 +247,7 @@ async def run_bash(
         raise
     state_r, state_w = os.pipe()
     state_w = _high_fd(state_w, STATE_FD)
-    script = _prelude(state, cgroup_fds, state_w) + script
+    script = _prelude(state, cgroup_fds, state_w) + state_script(state, script)
     argv: list[str | bytes] = [*jail, "bash", "--noprofile", "--norc", "-c", script]
     fds = (state_w, *cgroup_fds, *pass_fds)
     popen: dict[str, Any] = dict(
