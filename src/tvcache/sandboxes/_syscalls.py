@@ -20,7 +20,8 @@ import fcntl
 import os
 import socket
 import struct
-import threading
+
+from ._threads import in_own_thread
 
 __all__ = [
     "MNT_DETACH",
@@ -281,21 +282,11 @@ def new_netns() -> int:
     A thread may switch network namespaces on its own, so a short-lived thread makes the namespace and
     leaves the rest of the process where it was; a failure cannot strand any other thread.
     """
-    result: list[int] = []
-    errors: list[BaseException] = []
 
-    def work() -> None:
-        try:
-            if _libc.unshare(_CLONE_NEWNET) != 0:
-                _raise("unshare(CLONE_NEWNET)")
-            _loopback_up()
-            result.append(os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC))
-        except BaseException as exc:
-            errors.append(exc)
+    def work() -> int:
+        if _libc.unshare(_CLONE_NEWNET) != 0:
+            _raise("unshare(CLONE_NEWNET)")
+        _loopback_up()
+        return os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
 
-    thread = threading.Thread(target=work, name="tvcache-netns")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]
+    return in_own_thread(work, "tvcache-netns")

@@ -63,7 +63,6 @@ import itertools
 import os
 import stat
 import tarfile
-import threading
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +77,7 @@ from ._docker_pipeline import Pipeline, describe, inspect_image
 from ._docker_run import RUN_LABEL, SNAPSHOT_REPO, new_run, reap_dead_runs, remove_run
 from ._layers import is_empty, listing
 from ._shell import ShellState
+from ._threads import in_own_thread
 from .base import Outcome, SandboxError
 from .lifecycle import ManagedSandbox, ManagedSandboxes
 
@@ -118,21 +118,7 @@ def _blocking(job: Callable[[aiodocker.Docker], Awaitable[T]], url: str | None) 
         async with aiodocker.Docker(url=url) as docker:
             return await job(docker)
 
-    result: list[T] = []
-    errors: list[BaseException] = []
-
-    def thread() -> None:
-        try:
-            result.append(asyncio.run(main()))
-        except BaseException as exc:
-            errors.append(exc)
-
-    worker = threading.Thread(target=thread, name="tvcache-docker")
-    worker.start()
-    worker.join()
-    if errors:
-        raise errors[0]
-    return result[0]
+    return in_own_thread(lambda: asyncio.run(main()), "tvcache-docker")
 
 
 def _env_list(env: Mapping[str, str]) -> list[str]:

@@ -22,7 +22,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -35,6 +34,8 @@ from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.table import Table
+
+from .procs import free_port, pin
 
 __all__ = ["run"]
 
@@ -165,17 +166,6 @@ def _client_main(argv: list[str]) -> None:
 # -- the benchmark -----------------------------------------------------------------------------------------
 
 
-def _pin(pid: int, cpu: int) -> None:
-    if (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(pid, {cpu})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _make_db(path: Path) -> None:
     conn = sqlite3.connect(path)
     conn.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v INTEGER, name TEXT)")
@@ -187,12 +177,12 @@ def _make_db(path: Path) -> None:
 @contextlib.contextmanager
 def _server(db: Path, host: str, prefix: list[str], token: str) -> Iterator[str]:
     """A sandbox server of `db` on `host` (run under `prefix`), pinned to the first core; its URL."""
-    port = _free_port()
+    port = free_port()
     command = [*prefix, sys.executable, "-m", "tvcache.server", "sandbox-server", "--sandbox", "sqlite"]
     command += ["--base", str(db), "--host", host, "--port", str(port), "--log-level", "warning"]
     env = {**os.environ, "TVCACHE_TOKEN": token}
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _pin(proc.pid, 0)
+    pin(proc.pid, 0)
     url = f"http://{host}:{port}"
     try:
         _await_health(proc, url, prefix, token)
@@ -223,7 +213,7 @@ def _measure_in_client(db: Path, url: str, prefix: list[str], token: str) -> dic
     command = [*prefix, sys.executable, "-m", "tvcache_bench.micro.remote", "client", "--db", str(db), "--url", url]
     env = {**os.environ, "TVCACHE_TOKEN": token}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    _pin(proc.pid, 1)
+    pin(proc.pid, 1)
     out, err = proc.communicate(timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"the client process failed:\n{err[-3000:]}")

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from typing import Any, cast
 import msgspec
 from rich.console import Console
 from rich.table import Table
+
+from .procs import free_port, pin
 
 __all__ = ["run"]
 
@@ -236,23 +237,12 @@ def _load_main(argv: list[str]) -> None:
 # -- the benchmark -----------------------------------------------------------------------------------------
 
 
-def _pin(pid: int, cpu: int) -> None:
-    if (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(pid, {cpu})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_server(port: int, floor: bool = False) -> subprocess.Popen[bytes]:
     command = ["-m", "tvcache.server", "serve", "--port", str(port), "--log-level", "warning"]
     if floor:
         command = ["-m", "tvcache_bench.micro.server", "floor", str(port)]
     proc = subprocess.Popen([sys.executable, *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _pin(proc.pid, 0)
+    pin(proc.pid, 0)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -295,7 +285,7 @@ def _load(server: subprocess.Popen[bytes], url: str, *args: str) -> dict[str, fl
         stderr=subprocess.PIPE,
         text=True,
     )
-    _pin(proc.pid, 1)
+    pin(proc.pid, 1)
     out, err = proc.communicate(timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"load process failed:\n{err[-2000:]}")
@@ -343,7 +333,7 @@ def run(seconds: float = 2.0, repeat: int = 3, console: Console | None = None) -
     """Measure and print the table; returns the figures. 9 rows, each the best of `repeat` runs of `seconds`."""
     console = console or Console()
     rows: list[dict[str, Any]] = []
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = _start_server(port)
     try:
@@ -359,7 +349,7 @@ def run(seconds: float = 2.0, repeat: int = 3, console: Console | None = None) -
     finally:
         server.terminate()
         server.wait(10)
-    port = _free_port()
+    port = free_port()
     floor = _start_server(port, floor=True)
     try:
         args = ("--client", "raw", "--clients", "32", "--seconds", str(seconds))
