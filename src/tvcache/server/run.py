@@ -53,13 +53,8 @@ def serve(
     lookups; refused requests and failures are always logged."""
     if store_url is not None and store_url.startswith(("http://", "https://")):
         raise ValueError("the server's store must be memory://, sqlite:///path or redis://..., not another server")
-    token = token if token is not None else os.environ.get("TVCACHE_TOKEN") or None
-    if not token and not _is_loopback(host):
-        # Whoever reaches an unauthenticated cache can record entries: hand every rollout a wrong answer.
-        raise ValueError(
-            f"{host} is reachable from other machines, so the server needs a token: pass --token TOKEN or set "
-            "TVCACHE_TOKEN (clients then use http://:TOKEN@host:port)"
-        )
+    # Whoever reaches an unauthenticated cache can record entries: hand every rollout a wrong answer.
+    token = _token_for(host, token, "the server")
     config = _logging(log_level)
     store = open_store(store_url)
     name = redact(store_url or "memory://")
@@ -68,6 +63,17 @@ def serve(
     )
     log.info("serving", extra={"store": name, "host": host, "port": port, "auth": bool(token), "max_body": max_body})
     run_app(app, host, port, config, log_level=log_level, access_log=access_log, read_timeout=read_timeout)
+
+
+def _token_for(host: str, token: str | None, what: str) -> str | None:
+    """The bearer token (the argument, else TVCACHE_TOKEN); a non-loopback `host` without one is refused."""
+    token = token if token is not None else os.environ.get("TVCACHE_TOKEN") or None
+    if not token and not _is_loopback(host):
+        raise ValueError(
+            f"{host} is reachable from other machines, so {what} needs a token: pass --token TOKEN or set "
+            "TVCACHE_TOKEN (clients then use http://:TOKEN@host:port)"
+        )
+    return token
 
 
 def serve_sandboxes(
@@ -86,12 +92,7 @@ def serve_sandboxes(
     It runs whatever commands its clients send, so it refuses to listen beyond this machine without a token."""
     from .sandbox_app import SandboxApp
 
-    token = token if token is not None else os.environ.get("TVCACHE_TOKEN") or None
-    if not token and not _is_loopback(host):
-        raise ValueError(
-            f"a sandbox server runs any command its clients send: binding {host} needs a token "
-            "(--token or TVCACHE_TOKEN)"
-        )
+    token = _token_for(host, token, "a sandbox server (it runs any command its clients send)")
     config = _logging(log_level)
     app = SandboxApp(factory, token=token, read_timeout=read_timeout, **limits)
     log.info(
