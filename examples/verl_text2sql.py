@@ -66,8 +66,9 @@ def sandboxes(row: Mapping[str, Any]) -> tvcache.Sandboxes:
 
 
 def rows_equal(a: str, b: str) -> bool:
-    """Whether two `sql` outputs hold the same rows (in order; the header line, with column names, left out)."""
-    return a.split("\n")[1:] == b.split("\n")[1:]
+    """Whether two `sql` outputs hold the same rows (in order; the header line and the padding that aligns columns
+    to their names left out)."""
+    return [line.split() for line in a.split("\n")[1:]] == [line.split() for line in b.split("\n")[1:]]
 
 
 @register(AGENT)

@@ -42,6 +42,7 @@ ROLLOUTS = 4  # completions per question (GRPO's group)
 TASKS = 5  # distinct questions: ten steps see each twice
 TOOL_TURNS = 2  # tool calls per rollout at most
 COMPLETION_TOKENS = 128  # per rollout, tool results included
+TEMPERATURE = 0.8  # sampling; TRL's default is 1.0
 TRAINED_LAYERS = 2  # the last decoder blocks, trained; the rest of the model is frozen, to fit a CPU
 SQL_TIMEOUT = 10.0
 
@@ -68,12 +69,22 @@ class Run:
         return out
 
 
-def train(name: str, steps: int, *, seed: int = 0, tasks: int = TASKS, output_dir: str | None = None) -> Run:
-    """One GRPO run of `steps` steps; `name` is `none` (no cache) or `tvcache`."""
+def train(
+    name: str,
+    steps: int,
+    *,
+    seed: int = 0,
+    tasks: int = TASKS,
+    rollouts: int = ROLLOUTS,
+    completion_tokens: int = COMPLETION_TOKENS,
+) -> Run:
+    """One GRPO run of `steps` steps; `name` is `none` (no cache) or `tvcache`. The tests make it smaller with
+    `rollouts` and `completion_tokens`."""
     if name not in RUNS:
         raise ValueError(f"run {name!r}: choose from {', '.join(RUNS)}")
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory is experimental in TRL 1.16
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; no model hub here
+    os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # TRL imports weave, whose error reports go nowhere
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]  # lazily exported
@@ -105,16 +116,17 @@ def train(name: str, steps: int, *, seed: int = 0, tasks: int = TASKS, output_di
     tokenizer = load_tokenizer()
     with tempfile.TemporaryDirectory(prefix="tvcache-grpo-") as scratch:
         config = GRPOConfig(
-            output_dir=output_dir or scratch,
+            output_dir=scratch,
             use_cpu=True,
             seed=seed,
             max_steps=steps,
-            per_device_train_batch_size=ROLLOUTS,
-            num_generations=ROLLOUTS,
-            max_completion_length=COMPLETION_TOKENS,
+            per_device_train_batch_size=rollouts,
+            num_generations=rollouts,
+            max_completion_length=completion_tokens,
             max_tool_calling_iterations=TOOL_TURNS,
             generation_kwargs={"eos_token_id": stop_tokens(tokenizer)},
             learning_rate=5e-6,
+            temperature=TEMPERATURE,
             logging_steps=1,
             report_to="none",
             save_strategy="no",
