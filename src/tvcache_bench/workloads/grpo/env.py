@@ -10,8 +10,9 @@ not close its code block, so no statement ran); else 1 when the rows of the last
 rows of the gold query, run on the rollout's final state through the environment's own `sql` (with tvcache: a
 cached step, so rollouts that end in the same state are graded once), and 0 otherwise (an SQL error included).
 Rows are compared as the sandbox prints them, in order, without the header line (column names differ with
-spelling, `count(*)` against `COUNT(*)`) and without the padding that aligns columns to their names. The answer is taken from what the environment ran, not from TRL's
-messages: TRL leaves a result out of the conversation when it would overflow the completion's token budget.
+spelling, `count(*)` against `COUNT(*)`) and without the padding that aligns columns to their names. The answer is
+taken from what the environment ran, not from TRL's messages: TRL leaves a result out of the conversation when it
+would overflow the completion's token budget.
 """
 
 from __future__ import annotations
