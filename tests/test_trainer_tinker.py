@@ -165,3 +165,17 @@ def test_harbor_envs_on_tvcache_match_uncached_and_later_groups_hit(task: Harbor
 
 def test_task_id_is_the_harbor_task_name(tmp_path: Path) -> None:
     assert harbor_task(tmp_path / "fix-greeting" / "environment") == "fix-greeting"
+
+
+def test_the_example_runs_a_group(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import tinker_harbor
+
+    task = tinker_harbor.load_task(tinker_harbor.write_task(tmp_path / "fix-greeting"))
+    outcomes = asyncio.run(tinker_harbor.main(task, tinker_harbor.COMMANDS, rollouts=3))
+    assert [reward for reward, _, _ in outcomes] == [1.0, 1.0, 1.0]
+    calls = outcomes[0][1]
+    assert calls > len(tinker_harbor.COMMANDS)  # the commands, then the grading's upload, test run and reads
+    assert outcomes[0][2] == 0 and outcomes[1][2] == outcomes[2][2] == calls  # the others repeat the first

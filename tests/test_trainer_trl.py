@@ -182,3 +182,15 @@ def test_async_tools_stay_async_and_reset_opens_a_new_rollout(databases: dict[st
         finally:
             trl_loop.call_soon_threadsafe(trl_loop.stop)
             thread.join(timeout=10)
+
+
+def test_the_example_trains_a_step() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import trl_text2sql
+
+    # The same step without tvcache gives the same rewards (tests/test_grpo.py checks that on the benchmark's run).
+    rewards = trl_text2sql.main(1, cache=True, rollouts=2, tokens=32)
+    assert len(rewards) == 2 and set(rewards) <= {-1.0, 0.0, 1.0}

@@ -32,7 +32,7 @@ from tvcache.calls import ToolCall
 from tvcache.sandboxes.sqlite import SQLiteSandboxes
 
 from .env import BackgroundLoop, Reward, SQLEnvironment, StepTally
-from .model import load_model, load_tokenizer, stop_tokens
+from .model import load_model, load_tokenizer, stop_tokens, train_last_blocks
 from .tasks import EXAMPLE_QUERY, chinook, database_path, rows
 
 __all__ = ["ROLLOUTS", "RUNS", "TASKS", "Run", "identical", "run", "summary", "train"]
@@ -135,7 +135,7 @@ def train(
         try:
             example = loop.run(_example_output(databases["chinook"]))
             trainer = GRPOTrainer(
-                model=_trainable(load_model(), TRAINED_LAYERS),
+                model=train_last_blocks(load_model(), TRAINED_LAYERS),
                 processing_class=tokenizer,
                 reward_funcs=reward,
                 args=config,
@@ -153,16 +153,6 @@ def train(
             loop.close()
     gc.collect()  # the model, its optimizer and the environments, before the next run loads its own
     return run
-
-
-def _trainable(model: Any, layers: int) -> Any:
-    """`model` with all but its last `layers` decoder blocks (and the final norm) frozen: backpropagation then
-    stops there, which makes a step several times cheaper on a CPU."""
-    model.requires_grad_(False)
-    for block in model.model.layers[-layers:]:
-        block.requires_grad_(True)
-    model.model.norm.requires_grad_(True)
-    return model
 
 
 async def _example_output(databases: SQLiteSandboxes) -> str:
