@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from verl.experimental.agent_loop.agent_loop import (
     _agent_loop_registry,
     register,
 )
+from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser
 from verl.tools.function_tool import load_function_tools_from_path
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.rollout.replica import TokenOutput
@@ -99,14 +101,14 @@ def rows() -> list[dict[str, Any]]:
     ]
 
 
-def verl_config(response_length: int = 256) -> DictConfig:
+def verl_config(response_length: int = 256, tool_format: str = "hermes") -> DictConfig:
     """veRL's default PPO config with multi-turn tool calling on, the example's tool file and agent loops."""
     import verl.trainer.config as configs
 
     config = OmegaConf.load(Path(configs.__file__).parent / "_generated_ppo_trainer.yaml")
     rollout = config.actor_rollout_ref.rollout
     rollout.multi_turn.enable = True
-    rollout.multi_turn.format = "hermes"
+    rollout.multi_turn.format = tool_format
     rollout.multi_turn.max_assistant_turns = 4
     rollout.multi_turn.function_tool_path = str(TOOL_FILE)
     rollout.agent.agent_loop_config_path = str(AGENT_LOOPS)
@@ -140,6 +142,25 @@ async def run_trajectory(
     return await loop.run(sampling, **dict(row))
 
 
+@ToolParser.register("sql_block")
+class SQLBlockParser(ToolParser):
+    """The tool format SmolLM2 uses here (`tvcache_bench.workloads.grpo.model`): the chat template opens each turn
+    with a ```sql line, and the text up to the closing ``` is a call of `sql`."""
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        from tvcache_bench.workloads.grpo.model import stop_tokens
+
+        return stop_tokens(self.tokenizer)
+
+    async def extract_tool_calls(self, responses_ids: list[int], tools: Any = None) -> tuple[str, list[Any]]:
+        text = self.tokenizer.decode(responses_ids, skip_special_tokens=True)
+        query, fence, _ = text.partition("```")
+        if not fence:
+            return text, []
+        return "", [FunctionCall(name="sql", arguments=json.dumps({"query": query.strip()}))]
+
+
 class SmolServer:
     """veRL's server interface (`generate(request_id, prompt_ids, sampling_params, ...) -> TokenOutput`) over
     SmolLM2-135M-Instruct in transformers, for running this example without a GPU."""
@@ -149,13 +170,21 @@ class SmolServer:
 
         self.model, self.seed = load_model(), seed
 
-    async def generate(self, *, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any):
+    async def generate(
+        self, *, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any
+    ) -> TokenOutput:
         import torch
 
         torch.manual_seed(self.seed + len(prompt_ids))
         ids = torch.tensor([prompt_ids])
+        stop = sampling_params.get("stop_token_ids") or None
         out = await asyncio.to_thread(
-            self.model.generate, ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=True
+            self.model.generate,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=64,
+            do_sample=True,
+            eos_token_id=stop,
         )
         return TokenOutput(token_ids=out[0, len(prompt_ids) :].tolist(), stop_reason="completed")
 
@@ -163,7 +192,7 @@ class SmolServer:
 async def main(rollouts: int) -> None:
     from tvcache_bench.workloads.grpo.model import load_tokenizer
 
-    config = verl_config()
+    config = verl_config(tool_format="sql_block")
     register_agent_loops(config)
     tokenizer, server = load_tokenizer(), SmolServer()
     tools = load_function_tools_from_path(str(TOOL_FILE))

@@ -204,3 +204,12 @@ def test_row_kwargs_enter_the_fingerprint() -> None:
     b = VerlToolSandboxes(tools, {"sql": {"create_kwargs": {"ground_truth": "2"}}})
     assert a.fingerprint != b.fingerprint
     assert a.fingerprint == VerlToolSandboxes(tools, {"sql": {"create_kwargs": {"ground_truth": "1"}}}).fingerprint
+
+
+def test_the_examples_code_block_parser(tokenizer: Any) -> None:
+    parser = example.SQLBlockParser(tokenizer)
+    ids = tokenizer.encode("SELECT count(*) FROM Track\n```", add_special_tokens=False)
+    content, calls = asyncio.run(parser.extract_tool_calls(ids))
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("sql", {"query": COUNT})]
+    assert asyncio.run(parser.extract_tool_calls(tokenizer.encode("SELECT", add_special_tokens=False)))[1] == []
+    assert ids[-1] in parser.stop_token_ids
