@@ -19,6 +19,17 @@ import tvcache
 
 art = pytest.importorskip("art", reason="the ART integration test needs openpipe-art (pip install 'tvcache[art]')")
 
+# Importing ART swaps a transformers function, process-wide, for one written against an older transformers signature
+# (art/transformers/patches.py); every model forward pass in this process then fails, the TRL and GRPO tests' among
+# them. ART's training backend runs in its own process, so nothing here needs the patch: put the original back.
+try:
+    from art.transformers import patches as _art_patches
+    from transformers import masking_utils as _masking_utils
+
+    _masking_utils._preprocess_mask_arguments = _art_patches._preprocess_mask_arguments
+except ImportError:  # no transformers, nothing patched
+    pass
+
 from frameworks import ScriptedLLM, load_example, plan_of  # noqa: E402
 
 example = load_example("art_rollouts")
