@@ -45,13 +45,12 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 from ..calls import Tools
-from ..rollout import Result, Rollout
+from ..rollout import Result
 from ..sandboxes.base import Sandboxes
-from ..sync import SyncToolCache
+from ..sync import SyncRollout, SyncToolCache
 from .keys import task_key
 from .process import process_sync_cache
 
@@ -105,25 +104,21 @@ class _Episode:
         tools: Tools | None,
     ) -> None:
         self.cache, self.sandboxes, self.task, self.tools = cache, sandboxes, task, tools
-        self.rollout: Rollout | None = None
-        self.leave: AbstractAsyncContextManager[Rollout] | None = None
+        self.rollout: SyncRollout | None = None
         self.results: list[Result] = []
 
     def open(self, row: Row) -> None:
         self.close()
         cache = self.cache if self.cache is not None else process_sync_cache()
-        manager = cache.cache.rollout(self.task(row), self.sandboxes(row), self.tools)
-        self.rollout = cache._run(manager.__aenter__())
-        self.leave = manager
+        self.rollout = cache.open(self.task(row), self.sandboxes(row), self.tools)
 
     def close(self) -> None:
-        rollout, manager = self.rollout, self.leave
-        self.rollout = self.leave = None
+        rollout, self.rollout = self.rollout, None
         self.results = []
-        if rollout is not None and manager is not None:
-            asyncio.run_coroutine_threadsafe(manager.__aexit__(None, None, None), rollout.loop).result()
+        if rollout is not None:
+            rollout.close()
 
-    def current(self, tool: str) -> Rollout:
+    def current(self, tool: str) -> SyncRollout:
         if self.rollout is None:
             raise RuntimeError(
                 f"tool {tool!r} was called before reset(): TRL resets an environment before each rollout"
@@ -131,13 +126,13 @@ class _Episode:
         return self.rollout
 
     def call(self, tool: str, args: dict[str, Any]) -> Any:
-        rollout = self.current(tool)
-        result = asyncio.run_coroutine_threadsafe(rollout.call(tool, args), rollout.loop).result()
+        result = self.current(tool).call(tool, args)
         self.results.append(result)
         return result.output
 
     async def acall(self, tool: str, args: dict[str, Any]) -> Any:
-        rollout = self.current(tool)
+        # TRL awaits async tool methods on its own loop; the rollout lives on the cache's.
+        rollout = self.current(tool).rollout
         result = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(rollout.call(tool, args), rollout.loop))
         self.results.append(result)
         return result.output
