@@ -165,6 +165,8 @@ def _check(args: argparse.Namespace, command: str) -> None:
             require("client", "this command", "aiohttp")
         if workload == "redis":
             require("redis", "this command", "redis")
+            if args.store is not None and not args.store.startswith("redis"):
+                _fail(command, f"--store {args.store}: the redis workload measures a Redis server (redis://...)")
         if workload == "docker":
             require("docker", "this command", "aiodocker")
         if workload == "video":
@@ -228,7 +230,7 @@ def _bench(args: argparse.Namespace) -> Any:
     if workload == "redis":
         from .micro import redis
 
-        return redis.run()
+        return redis.run(args.store)
     if workload == "remote":
         from .micro import remote
 
@@ -368,7 +370,9 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
         help=f"(sql, swe, airline, video) comma-separated, from {','.join(STRATEGIES)} (default: all)",
     )
     parser.add_argument(
-        "--store", metavar="URL", help="(sql, swe, airline, video) tvcache's store (default: in memory)"
+        "--store",
+        metavar="URL",
+        help="(sql, swe, airline, video) tvcache's store (default: in memory); (redis) the Redis server to measure",
     )
     parser.add_argument(
         "--no-progress", action="store_true", default=None, help="(sql, swe, airline, video) no progress bars"
