@@ -155,6 +155,7 @@ def test_charts_without_matplotlib_fail_before_the_run(tmp_path: Path, sql_trace
         (("aiohttp",), ["--store", "http://127.0.0.1:9"], "the http:// store needs the 'client' extra"),
         (("redis",), ["--store", "redis://127.0.0.1:9/0"], "the redis:// store needs the 'redis' extra"),
         (("aiohttp",), ["bench", "server"], "tvcache bench server: error: this command needs the 'client' extra"),
+        (("gguf",), ["bench", "grpo"], "tvcache bench grpo: error: this command needs the 'grpo' extra"),
     ],
 )
 def test_a_missing_extra_says_what_to_install(
@@ -167,6 +168,13 @@ def test_a_missing_extra_says_what_to_install(
     extra = re.search(r"the '(\w+)' extra", says)
     assert extra and says in line, line
     assert re.search(rf"pip install (-e )?'[^']*\[{extra[1]}\]'$", line), line
+
+
+def test_grpo_without_torch_says_to_install_a_cpu_build_first(tmp_path: Path) -> None:
+    # The grpo extra alone would make pip fetch the newest CUDA build of torch, several GB.
+    line = one_line_error(tvcache_command("bench", "grpo", missing=("torch",), tmp=tmp_path))
+    assert line.startswith("tvcache bench grpo: error: this command needs torch: install a CPU build first"), line
+    assert re.search(r"then pip install (-e )?'[^']*\[grpo\]'$", line), line
 
 
 def test_the_library_says_which_extra_a_store_needs(tmp_path: Path) -> None:

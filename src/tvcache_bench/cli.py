@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from tvcache.extras import MissingExtra, require
+from tvcache.extras import MissingExtra, install_command, require
 
 from .data import MissingData, workloads_dir
 from .strategies import STRATEGIES
@@ -172,7 +172,15 @@ def _check(args: argparse.Namespace, command: str) -> None:
         if workload == "video":
             require("bench", "this command", "cv2")
         if workload == "grpo":
-            require("trl", "this command", "trl", "torch", "datasets", "gguf")
+            try:
+                require("grpo", "this command", "torch")
+            except MissingExtra:  # pip would answer the extra alone with a CUDA build of torch
+                _fail(
+                    command,
+                    "this command needs torch: install a CPU build first (pip install torch==2.13.0 on these "
+                    f"machines, elsewhere from PyTorch's CPU index), then {install_command('grpo')}",
+                )
+            require("grpo", "this command", "trl", "torch", "datasets", "gguf", "jmespath")
             workloads_dir()
             from .workloads.grpo.model import gguf_file
 
