@@ -525,6 +525,36 @@ def test_mount2_fallback_for_kernels_without_lowerdir_plus(base: Path) -> None:
 # -- the oracle invariant ------------------------------------------------------------------------------
 
 
+def test_a_directory_lists_in_the_same_order_after_snapshots(base: Path, mode: str) -> None:
+    """`find`, `ls -f` and `os.listdir` print a directory in the order the filesystem lists it, not sorted. A
+    directory written between two snapshots lists the same on top of the snapshot (its layer a copy, or merged
+    into one past max_layers) as in the uncached history. (One whose entries span layers lists in overlayfs's
+    merged order instead: see the README's Limits.)"""
+    steps = [
+        "mkdir -p /tmp/r/src/p && touch /tmp/r/src/__init__.py /tmp/r/a /tmp/r/b && echo x > /tmp/r/src/p/f.py",
+        "mkdir /tmp/s && touch /tmp/s/3 /tmp/s/1 /tmp/s/2",
+        "mkdir /testbed/new && touch /testbed/new/y /testbed/new/x",
+    ]
+    show = "find /tmp/r /tmp/s /testbed/new; ls -f /tmp/s; python3 -c 'import os; print(os.listdir(\"/tmp/r\"))'"
+
+    async def main() -> None:
+        for max_layers in (16, 2):
+            async with factory_for(base, mode, max_layers=max_layers) as boxes:
+                oracle = await boxes.create()
+                for step in steps:
+                    await bash(oracle, step)
+                expected = await out(oracle, show)
+                box = await boxes.create()
+                snaps = []
+                for step in steps:
+                    await bash(box, step)
+                    snaps.append(await box.snapshot())
+                assert await out(box, show) == expected, max_layers
+                assert await out(await boxes.restore(snaps[-1]), show) == expected, max_layers
+
+    run(main())
+
+
 def test_snapshot_restore_then_continue_equals_fresh_history(base: Path, mode: str) -> None:
     async def main() -> None:
         async with factory_for(base, mode, max_layers=4) as boxes:

@@ -126,15 +126,23 @@ def _copy_entry(
         links[key] = dest
 
 
+def _in_creation_order(directory: str) -> list[os.DirEntry[str]]:
+    """The entries of `directory` in the order to create their copies in.
+
+    tmpfs, where layers live, lists a directory newest first. Creating the copies in reverse listing order makes
+    the copy list in the same order as the original, so that `find`, `os.listdir` or a glob print the same order
+    in a sandbox restored from a snapshot as in the sandbox that took it (an uncached run)."""
+    with os.scandir(directory) as it:
+        return list(it)[::-1]
+
+
 def copy_layer(src: str, dest: str) -> None:
     """Copy a frozen upper dir to the new directory `dest` as it is: whiteouts, opaque directories and the rest
     of overlayfs's xattrs, hard links between its files, times (directories' after their contents)."""
     links: dict[tuple[int, int], str] = {}
 
     def copy_dir(src_dir: str, dest_dir: str) -> None:
-        with os.scandir(src_dir) as it:
-            entries = list(it)
-        for entry in entries:
+        for entry in _in_creation_order(src_dir):
             st = entry.stat(follow_symlinks=False)
             target = os.path.join(dest_dir, entry.name)
             if stat.S_ISDIR(st.st_mode):
@@ -159,40 +167,41 @@ def _merge_dir(
     directory that exists in one layer alone as it is, so a whiteout left there would show up as a file.
     """
     seen: set[str] = set()
+    chosen: list[tuple[int, os.DirEntry[str]]] = []  # as overlayfs lists the merged directory: topmost first
     for i, layer_dir in enumerate(stack):
         with os.scandir(layer_dir) as it:
-            entries = list(it)
-        for entry in entries:
-            if entry.name in seen:
-                continue
-            seen.add(entry.name)
-            st = entry.stat(follow_symlinks=False)
-            target = os.path.join(dest, entry.name)
-            if is_whiteout(st):
-                if any(os.path.lexists(os.path.join(b, entry.name)) for b in below):
-                    os.mknod(target, stat.S_IFCHR, 0)
-            elif stat.S_ISDIR(st.st_mode):
-                sub = [entry.path]
-                cut = _is_opaque(entry.path, xattr)
-                for lower in stack[i + 1 :] if not cut else ():
-                    path = os.path.join(lower, entry.name)
-                    try:
-                        lst = os.lstat(path)
-                    except FileNotFoundError:
-                        continue
-                    if not stat.S_ISDIR(lst.st_mode):
-                        cut = True  # a file or whiteout there hid everything further down
-                        break
-                    sub.append(path)
-                    if _is_opaque(path, xattr):
-                        cut = True
-                        break
-                sub_below = [p for b in below if os.path.isdir(p := os.path.join(b, entry.name))]
-                os.mkdir(target)
-                _merge_dir(sub, [] if cut else sub_below, target, cut and bool(sub_below), xattr, links)
-                _copy_metadata(entry.path, st, target)
-            else:
-                _copy_entry(entry.path, st, target, links)
+            for entry in it:
+                if entry.name not in seen:
+                    seen.add(entry.name)
+                    chosen.append((i, entry))
+    for i, entry in reversed(chosen):  # see _in_creation_order
+        st = entry.stat(follow_symlinks=False)
+        target = os.path.join(dest, entry.name)
+        if is_whiteout(st):
+            if any(os.path.lexists(os.path.join(b, entry.name)) for b in below):
+                os.mknod(target, stat.S_IFCHR, 0)
+        elif stat.S_ISDIR(st.st_mode):
+            sub = [entry.path]
+            cut = _is_opaque(entry.path, xattr)
+            for lower in stack[i + 1 :] if not cut else ():
+                path = os.path.join(lower, entry.name)
+                try:
+                    lst = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISDIR(lst.st_mode):
+                    cut = True  # a file or whiteout there hid everything further down
+                    break
+                sub.append(path)
+                if _is_opaque(path, xattr):
+                    cut = True
+                    break
+            sub_below = [p for b in below if os.path.isdir(p := os.path.join(b, entry.name))]
+            os.mkdir(target)
+            _merge_dir(sub, [] if cut else sub_below, target, cut and bool(sub_below), xattr, links)
+            _copy_metadata(entry.path, st, target)
+        else:
+            _copy_entry(entry.path, st, target, links)
     if opaque:
         os.setxattr(dest, xattr, b"y")
 
