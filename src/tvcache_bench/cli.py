@@ -180,7 +180,7 @@ def _check(args: argparse.Namespace, command: str) -> None:
                     "this command needs torch: install a CPU build first (pip install torch==2.13.0 on these "
                     f"machines, elsewhere from PyTorch's CPU index), then {install_command('grpo')}",
                 )
-            require("grpo", "this command", "trl", "torch", "datasets", "gguf", "jmespath")
+            require("grpo", "this command", "trl", "datasets", "gguf", "jmespath")
             workloads_dir()
             from .workloads.grpo.model import gguf_file
 

@@ -167,7 +167,8 @@ def _merge_dir(
     directory that exists in one layer alone as it is, so a whiteout left there would show up as a file.
     """
     seen: set[str] = set()
-    chosen: list[tuple[int, os.DirEntry[str]]] = []  # as overlayfs lists the merged directory: topmost first
+    # Topmost layer first, each newest first: the order one upper dir holding them all would list (see below).
+    chosen: list[tuple[int, os.DirEntry[str]]] = []
     for i, layer_dir in enumerate(stack):
         with os.scandir(layer_dir) as it:
             for entry in it:
