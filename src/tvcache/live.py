@@ -267,7 +267,8 @@ class LiveSandbox:
 
 def _same_output(output: Any, recorded: bytes) -> bool:
     try:
-        return encode_output(output) == recorded or decode_output(encode_output(output)) == decode_output(recorded)
+        blob = encode_output(output)
+        return blob == recorded or decode_output(blob) == decode_output(recorded)
     except (TypeError, ValueError):
         return False
 

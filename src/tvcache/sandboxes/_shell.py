@@ -33,6 +33,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .base import Outcome
+
 __all__ = [
     "STATE_FD",
     "BoundedOutput",
@@ -42,6 +44,7 @@ __all__ = [
     "run_bash",
     "state_script",
     "truncated_text",
+    "unfinished",
 ]
 
 #: The file descriptor the EXIT trap writes the shell state to; high so scripts' own `exec 3>...` miss it.
@@ -120,6 +123,12 @@ def truncated_text(head: bytes, tail: bytes, total: int) -> str:
         f"the first {len(head)} and the last {len(tail)} are shown ...]\n"
     )
     return head.decode(errors="replace") + marker + tail.decode(errors="replace")
+
+
+def unfinished(output: str, error: str) -> Outcome:
+    """A command that did not finish (timed out, its shell killed): what it printed, no exit code, and why; an
+    error, so never cached."""
+    return Outcome({"output": output, "exit_code": None, "error": error}, None, True)
 
 
 def bash_quote(value: bytes) -> bytes:

@@ -76,14 +76,14 @@ from ._docker_exec import kill_everything, run_bash
 from ._docker_pipeline import Pipeline, describe, inspect_image
 from ._docker_run import RUN_LABEL, SNAPSHOT_REPO, new_run, reap_dead_runs, remove_run
 from ._layers import is_empty, listing
-from ._shell import ShellState
+from ._shell import ShellState, unfinished
 from ._threads import in_own_thread
 from .base import Outcome, SandboxError
 from .lifecycle import ManagedSandbox, ManagedSandboxes
 
 __all__ = ["CREATE_CONCURRENCY", "TOOLS", "DockerSandbox", "DockerSandboxes", "build_image"]
 
-TOOLS = ("bash", "read_file", "write_file", "list_dir")
+TOOLS = fast.TOOLS
 #: Heavy daemon operations at once: where `tvcache bench docker` saw the daemon's creations per second stop
 #: growing with concurrency on a 2-core machine (see the README); more in flight only makes each one slower.
 CREATE_CONCURRENCY = 16
@@ -539,9 +539,9 @@ class DockerSandbox(ManagedSandbox):
                 max_output=self._f.max_output,
                 on_timeout=kill,
             )
-        except (aiodocker.DockerError, OSError, Exception) as exc:
-            if isinstance(exc, SandboxError):
-                raise
+        except SandboxError:
+            raise
+        except Exception as exc:  # the daemon's errors, a broken connection, a stream cut short
             await self._check_alive()
             raise SandboxError(f"docker: running a command failed: {describe(exc)}") from exc
 
@@ -565,15 +565,7 @@ class DockerSandbox(ManagedSandbox):
             raise SandboxError(f"docker sandbox {self.id[:12]} is unusable: {self._dead}")
 
     async def execute(self, call: ToolCall) -> Outcome:
-        tool, args = call.tool, call.args
-        if tool not in TOOLS:
-            raise ValueError(f"docker sandboxes have the tools {', '.join(TOOLS)}; got {tool!r}")
-        if not isinstance(args, dict):
-            raise ValueError(f"{tool} takes a JSON object of arguments, got the text {args[:200]!r}")
-        wanted = {"bash": ("command",), "read_file": ("path",), "write_file": ("path", "content")}
-        for key in wanted.get(tool, ("path",)):
-            if not isinstance(args.get(key), str):
-                raise ValueError(f"{tool} needs a string argument {key!r}, got args {call.key[:200]}")
+        tool, args = call.tool, fast.checked_args(call, "docker")
         async with self._turn():
             if self._dead is not None:
                 raise SandboxError(f"docker sandbox {self.id[:12]} is unusable: {self._dead}")
@@ -581,12 +573,10 @@ class DockerSandbox(ManagedSandbox):
             if tool == "bash":
                 result = await self._bash(args["command"])
                 if result.timed_out:
-                    error = f"timed out after {self._f.timeout:g} s"
-                    return Outcome({"output": result.output, "exit_code": None, "error": error}, None, True)
+                    return unfinished(result.output, f"timed out after {self._f.timeout:g} s")
                 if not result.finished:
                     await self._check_alive(settle=2.0)  # raises if the container died under the command
-                    error = "the command's shell was killed (by the command itself?)"
-                    return Outcome({"output": result.output, "exit_code": None, "error": error}, None, True)
+                    return unfinished(result.output, "the command's shell was killed (by the command itself?)")
                 output: dict[str, Any] = {"output": result.output, "exit_code": result.exit_code}
                 state = result.state
             else:

@@ -80,7 +80,7 @@ from ._layers import listing_digest
 from ._mounts import Mounter
 from ._rundir import RunDir
 from ._seccomp import bpf_program
-from ._shell import CommandResult, ShellState, run_bash
+from ._shell import CommandResult, ShellState, run_bash, unfinished
 from .base import Outcome, SandboxError
 from .lifecycle import ManagedSandbox, ManagedSandboxes
 
@@ -481,8 +481,7 @@ class WorkspaceSandbox(ManagedSandbox):
                     why = f"the sandbox could not start the command: {result.output.strip()[-2000:]}"
                     return Outcome({"error": why}, None, True)
                 if result.timed_out:
-                    error = f"timed out after {self._ctx.timeout:g} s"
-                    return Outcome({"output": result.output, "exit_code": None, "error": error}, None, True)
+                    return unfinished(result.output, f"timed out after {self._ctx.timeout:g} s")
                 output: dict[str, Any] = {"output": result.output, "exit_code": result.exit_code}
                 state = result.state
                 failure = self._limit_hit(hits)

@@ -25,7 +25,7 @@ from ..sandboxes.remote_wire import (
     SnapshotReply,
     SnapshotRequest,
 )
-from ..stores.wire import Endpoint, HealthReply
+from ..stores.wire import HEALTHZ, Endpoint, HealthReply, operation
 from ..version import __version__
 from . import openapi
 from .api import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT, HTTPError, JSONApi, Receive
@@ -36,21 +36,17 @@ from .sandbox_pool import AtCapacity, BackendFailed, CallRefused, SandboxPool, U
 __all__ = ["SANDBOX_ENDPOINTS", "SandboxApp"]
 
 
-def _op(name: str, request: type[Any] | None, reply: Any, summary: str) -> Endpoint:
-    return Endpoint(name, "POST" if request is not None else "GET", f"/v1/{name}", request, reply, summary)
-
-
 SANDBOX_ENDPOINTS: list[Endpoint] = [
-    _op("create", CreateRequest, SandboxReply, "A new sandbox in the starting state."),
-    _op("restore", SnapshotRequest, SandboxReply, "A new sandbox in a snapshot's state (404: no such snapshot)."),
-    _op("execute", ExecuteRequest, ExecuteReply, "Execute one tool call in a sandbox; renews its lease."),
-    _op("snapshot", SandboxRequest, SnapshotReply, "Save a sandbox's state; the sandbox stays usable."),
-    _op("close", SandboxRequest, None, "Close a sandbox. Idempotent."),
-    _op("delete", SnapshotRequest, None, "Delete a snapshot. Idempotent."),
-    _op("renew", RenewRequest, list[str], "Renew the leases of live sandboxes; the ids that are gone."),
-    _op("info", None, InfoReply, "What this server serves: its id, fingerprint, limits and load."),
-    _op("sandboxes", None, Listing, "The live sandboxes and the snapshots, oldest first."),
-    Endpoint("healthz", "GET", "/healthz", None, HealthReply, "Liveness: 200 while the server runs.", auth=False),
+    operation("create", CreateRequest, SandboxReply, "A new sandbox in the starting state."),
+    operation("restore", SnapshotRequest, SandboxReply, "A new sandbox in a snapshot's state (404: no such snapshot)."),
+    operation("execute", ExecuteRequest, ExecuteReply, "Execute one tool call in a sandbox; renews its lease."),
+    operation("snapshot", SandboxRequest, SnapshotReply, "Save a sandbox's state; the sandbox stays usable."),
+    operation("close", SandboxRequest, None, "Close a sandbox. Idempotent."),
+    operation("delete", SnapshotRequest, None, "Delete a snapshot. Idempotent."),
+    operation("renew", RenewRequest, list[str], "Renew the leases of live sandboxes; the ids that are gone."),
+    operation("info", None, InfoReply, "What this server serves: its id, fingerprint, limits and load."),
+    operation("sandboxes", None, Listing, "The live sandboxes and the snapshots, oldest first."),
+    HEALTHZ,
 ]
 
 _ERRORS = {

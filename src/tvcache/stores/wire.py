@@ -19,6 +19,7 @@ from .base import Claim, GraphExport, Lease, SnapshotRecord, TaskInfo
 
 __all__ = [
     "ENDPOINTS",
+    "HEALTHZ",
     "AddSnapshotRequest",
     "DropSnapshotRequest",
     "Endpoint",
@@ -36,6 +37,7 @@ __all__ = [
     "UnleaseRequest",
     "WaitRequest",
     "WireEntry",
+    "operation",
 ]
 
 MAX_WAIT = 3600.0  # seconds one wait request may block
@@ -239,24 +241,31 @@ class Endpoint:
     auth: bool = True
 
 
-def _store(name: str, request: type[msgspec.Struct] | None, reply: Any, summary: str) -> Endpoint:
+def operation(name: str, request: type[msgspec.Struct] | None, reply: Any, summary: str) -> Endpoint:
+    """`/v1/<name>`: a POST of `request`, or a GET where there is none."""
     return Endpoint(name, "POST" if request is not None else "GET", f"/v1/{name}", request, reply, summary)
 
 
+#: Both servers' liveness probe (the cache server's also answers 503 when its store does not).
+HEALTHZ = Endpoint("healthz", "GET", "/healthz", None, HealthReply, "Liveness: 200 while the server runs.", auth=False)
+
+
 ENDPOINTS: list[Endpoint] = [
-    _store("lookup", LookupRequest, LookupReply, "Look an entry up; on a miss with `claim` > 0, also claim it."),
-    _store("wait", WaitRequest, WireEntry | None, "Block until the entry is recorded (it) or its claim ends (null)."),
-    _store("record", RecordRequest, WireEntry, "Store an entry unless one exists, release the claim; the winner."),
-    _store("release", ReleaseRequest, None, "Give a claim up without an entry; waiters wake and retry."),
-    _store("refresh", RefreshRequest, bool, "Extend a claim; false if it was lost."),
-    _store("lease", LeaseRequest, Lease | None, "Lease the origin's deepest snapshot on a path."),
-    _store("unlease", UnleaseRequest, None, "End a lease."),
-    _store("add_snapshot", AddSnapshotRequest, list[str], "Attach a snapshot, evict; ids the caller must delete."),
-    _store("drop_snapshot", DropSnapshotRequest, None, "Forget a snapshot whose restore failed."),
-    _store("snapshots", SnapshotsRequest, list[SnapshotRecord], "A task's snapshots, of one origin or all."),
-    _store("register", RegisterRequest, None, "Name a task, for people. Idempotent."),
-    _store("tasks", None, list[TaskInfo], "Every named task."),
-    _store("export", ExportRequest, GraphExport, "A task's graph with hit counts, for dashboards."),
+    operation("lookup", LookupRequest, LookupReply, "Look an entry up; on a miss with `claim` > 0, also claim it."),
+    operation(
+        "wait", WaitRequest, WireEntry | None, "Block until the entry is recorded (it) or its claim ends (null)."
+    ),
+    operation("record", RecordRequest, WireEntry, "Store an entry unless one exists, release the claim; the winner."),
+    operation("release", ReleaseRequest, None, "Give a claim up without an entry; waiters wake and retry."),
+    operation("refresh", RefreshRequest, bool, "Extend a claim; false if it was lost."),
+    operation("lease", LeaseRequest, Lease | None, "Lease the origin's deepest snapshot on a path."),
+    operation("unlease", UnleaseRequest, None, "End a lease."),
+    operation("add_snapshot", AddSnapshotRequest, list[str], "Attach a snapshot, evict; ids the caller must delete."),
+    operation("drop_snapshot", DropSnapshotRequest, None, "Forget a snapshot whose restore failed."),
+    operation("snapshots", SnapshotsRequest, list[SnapshotRecord], "A task's snapshots, of one origin or all."),
+    operation("register", RegisterRequest, None, "Name a task, for people. Idempotent."),
+    operation("tasks", None, list[TaskInfo], "Every named task."),
+    operation("export", ExportRequest, GraphExport, "A task's graph with hit counts, for dashboards."),
     Endpoint("stats", "GET", "/v1/stats", None, StatsReply, "Server counters and their time series."),
-    Endpoint("healthz", "GET", "/healthz", None, HealthReply, "Liveness: 200 while the server runs.", auth=False),
+    HEALTHZ,
 ]
