@@ -37,9 +37,7 @@ if TYPE_CHECKING:
     from .replay import ReplayOptions, ReplayResult
     from .workload import Workload
 
-__all__ = ["BENCHES", "COMMANDS", "add_commands", "run_command"]
-
-COMMANDS = ("bench", "replay")
+__all__ = ["BENCHES", "add_commands", "run_command"]
 
 BENCHES = {
     "quick": "the main job: one minute of SQL rollouts, tvcache against no cache, a naive cache and the published one",
@@ -455,8 +453,7 @@ def _bench_options(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     if stray:
         flags = ", ".join("--" + name.replace("_", "-") for name in stray)
         verb = "does" if len(stray) == 1 else "do"
-        print(f"tvcache bench {workload}: error: {flags} {verb} not apply to {workload}", file=sys.stderr)
-        raise SystemExit(2)
+        _fail(f"tvcache bench {workload}", f"{flags} {verb} not apply to {workload}")
     return {name: getattr(args, name) if name in given else default for name, default in defaults.items()}
 
 

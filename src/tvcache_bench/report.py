@@ -20,6 +20,7 @@ __all__ = [
     "format_seconds",
     "print_table",
     "print_tool_table",
+    "style_axes",
     "wide_console",
     "write_charts",
     "write_json",
@@ -207,7 +208,8 @@ def write_charts(result: ReplayResult, directory: str | Path) -> list[Path]:
     return [p for p in paths if p is not None]
 
 
-def _style(ax: Any) -> None:
+def style_axes(ax: Any) -> None:
+    """The charts' one look: no top or right frame, light horizontal grid lines behind the data."""
     ax.spines["top"].set_visible(False)
     ax.spines["right"].set_visible(False)
     ax.grid(axis="y", alpha=0.3)
@@ -233,7 +235,7 @@ def _hit_rate_chart(result: ReplayResult, path: Path) -> Path | None:
     ax.set_ylim(0, 105)
     ax.set_title(f"{result.workload}: hit rate per epoch", fontsize=10)
     ax.legend(fontsize=8, frameon=False, loc="upper left")
-    _style(ax)
+    style_axes(ax)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -262,7 +264,7 @@ def _call_time_chart(result: ReplayResult, path: Path) -> Path | None:
     ax.axhline(0.5, color="black", linewidth=0.5, alpha=0.3)
     ax.set_title(f"{result.workload}: distribution of per-call time", fontsize=10)
     ax.legend(fontsize=7, frameon=False, loc="lower right")
-    _style(ax)
+    style_axes(ax)
     ax.grid(axis="x", alpha=0.2, which="major")
     fig.tight_layout()
     fig.savefig(path)
@@ -294,7 +296,7 @@ def _tool_time_chart(result: ReplayResult, path: Path) -> Path | None:
     ax.set_ylim(0, max(totals) * 1.35 if max(totals) > 0 else 1)
     ax.set_title(f"{result.workload}: total tool-call time", fontsize=10)
     ax.tick_params(axis="x", labelsize=8)
-    _style(ax)
+    style_axes(ax)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -324,11 +326,9 @@ def print_tool_table(result: ReplayResult, console: Console | None = None) -> No
     table.add_column("calls", justify="right")
     for run in runs:
         table.add_column(run.name, justify="right")
+    per_run = [run.tool_hit_rates() for run in runs]
     for tool in _tools(result):
-        rates = []
-        for run in runs:
-            calls, hits = run.tool_calls.get(tool, 0), run.tool_hits.get(tool, 0)
-            rates.append(f"{hits / calls:.1%}" if calls else "-")
+        rates = [f"{rates[tool]['hit_rate']:.1%}" if tool in rates else "-" for rates in per_run]
         table.add_row(tool, str(max(r.tool_calls.get(tool, 0) for r in runs)), *rates)
     console.print(table)
 
@@ -350,7 +350,8 @@ def write_tool_chart(result: ReplayResult, directory: str | Path) -> list[Path]:
     width = 0.8 / len(runs)
     fig, ax = plt.subplots(figsize=(max(5.5, 1.3 * len(tools) + 1.5), 3.8), dpi=150)
     for i, run in enumerate(runs):
-        rates = [100 * run.tool_hits.get(t, 0) / run.tool_calls[t] if run.tool_calls.get(t) else 0.0 for t in tools]
+        hit_rates = run.tool_hit_rates()
+        rates = [100 * hit_rates[t]["hit_rate"] if t in hit_rates else 0.0 for t in tools]
         xs = [k + (i - (len(runs) - 1) / 2) * width for k in range(len(tools))]
         bars = ax.bar(xs, rates, width, label=LABELS.get(run.name, run.name), color=COLORS.get(run.name))
         ax.bar_label(bars, fmt="%.0f", fontsize=6, padding=1)
@@ -359,7 +360,7 @@ def write_tool_chart(result: ReplayResult, directory: str | Path) -> list[Path]:
     ax.set_ylim(0, 105)
     ax.set_title(f"{result.workload}: hit rate per tool, all epochs", fontsize=10)
     ax.legend(fontsize=7, frameon=False, loc="upper left", ncols=len(runs))
-    _style(ax)
+    style_axes(ax)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -32,6 +32,8 @@ from rich.table import Table
 from tvcache.graph import EDGE, Entry, Scope, encode_output
 from tvcache.stores.redis import RedisStore
 
+from .procs import free_port
+
 __all__ = ["run", "throwaway_server"]
 
 PREFIX = "tvcache-bench"
@@ -43,9 +45,7 @@ def throwaway_server() -> Iterator[str]:
     """A `redis-server` on a free port for the duration, and its URL."""
     if shutil.which("redis-server") is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server), or pass a Redis URL")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="tvcache-redis-", dir=shm) as workdir:
         proc = subprocess.Popen(

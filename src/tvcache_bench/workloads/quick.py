@@ -25,12 +25,12 @@ from tvcache.calls import Tools
 from ..data import workload_path
 from ..replay import ReplayOptions, ReplayResult, replay_strategies
 from ..report import print_table, wide_console, write_charts
+from ..strategies import STRATEGIES
 from ..traces import Trace, TraceCall, task_order
 from ..workload import Workload, combine
 
 __all__ = ["SIZES", "STRATEGIES", "build", "chinook_workload", "quick", "run", "sql_workload"]
 
-STRATEGIES = ("none", "naive", "paper", "tvcache")
 
 # Full: well under a minute for all four strategies on 2 cores. Small: a few seconds, for tests; its rollouts
 # run one at a time, so which answers a naive cache gets wrong does not depend on timing.

@@ -41,6 +41,7 @@ from tvcache.sandboxes.python import PythonSandboxes
 
 from ..replay import ReplayOptions, percentile, replay_strategies, resident_kb
 from ..report import format_bytes, print_table, wide_console, write_charts
+from ..strategies import STRATEGIES
 from ..traces import Trace, TraceCall
 from ..workload import Workload
 
@@ -137,7 +138,7 @@ def build_workload(p: Params) -> Workload:
 async def compare(p: Params, options: ReplayOptions) -> Any:
     workload = build_workload(p)
     try:
-        return await replay_strategies(workload, ["none", "naive", "paper", "tvcache"], options)
+        return await replay_strategies(workload, STRATEGIES, options)
     finally:
         await workload.close()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...report import style_axes
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -102,7 +104,7 @@ def write_charts(runs: dict[str, Run], directory: str | Path) -> list[Path]:
     ax.set_xlabel("training step")
     ax.set_ylabel("mean reward of the step's rollouts")
     ax.set_title("GRPO rewards, same seed, without and with tvcache")
-    _style(ax)
+    style_axes(ax)
     ax.legend(frameon=False)
     fig.tight_layout()
     fig.savefig(paths[0], dpi=120)
@@ -116,16 +118,9 @@ def write_charts(runs: dict[str, Run], directory: str | Path) -> list[Path]:
     ax.set_xlabel("training step")
     ax.set_ylabel("seconds in tool calls")
     ax.set_title("Tool time per GRPO step")
-    _style(ax)
+    style_axes(ax)
     ax.legend(frameon=False)
     fig.tight_layout()
     fig.savefig(paths[1], dpi=120)
     plt.close(fig)
     return paths
-
-
-def _style(ax: Any) -> None:
-    ax.spines["top"].set_visible(False)
-    ax.spines["right"].set_visible(False)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
