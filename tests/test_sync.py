@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -58,3 +59,24 @@ def test_an_open_rollout_lives_across_threads_until_closed() -> None:
         assert not boxes.open
         with pytest.raises(RuntimeError, match="closed"):
             rollout.call("read", {"key": "a"})
+
+
+def test_an_open_async_rollout_spans_tasks_and_is_not_the_current_one() -> None:
+    # A framework's hooks: opened in its setup task, called and closed from others.
+    boxes = FaultySandboxes(kv.sandboxes())
+
+    async def main() -> None:
+        async with tvcache.ToolCache() as cache:
+            rollout = await asyncio.create_task(cache.open("t", boxes, kv.TOOLS))
+            assert tvcache.current_rollout() is None
+            write = await asyncio.create_task(rollout.call("write", {"key": "a", "value": "x"}))
+            assert (write.output, write.hit) == ("ok", False)
+            await asyncio.create_task(rollout.close())
+            await rollout.close()  # idempotent
+            assert not boxes.open
+            async with cache.rollout("t", boxes, kv.TOOLS) as again:
+                assert tvcache.current_rollout() is again
+                assert (await again.call("write", {"key": "a", "value": "x"})).hit
+            assert tvcache.current_rollout() is None
+
+    asyncio.run(main())

@@ -98,17 +98,21 @@ class ToolCache:
     async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools | None = None) -> AsyncIterator[Rollout]:
         """One rollout of `task`; its sandbox, if it made one, is closed on exit (also on errors). Inside the
         block, `tvcache.current_rollout()` returns it."""
-        if self._unchecked:
-            await self.check()
-            self._unchecked = False
-        rollout = Rollout(self._ctx, self.scope(task, sandboxes), sandboxes, tools)
+        rollout = await self.open(task, sandboxes, tools)
         token = _current.set(rollout)
         try:
             yield rollout
         finally:
-            with contextlib.suppress(ValueError):  # SyncToolCache enters and leaves in different tasks
-                _current.reset(token)
+            _current.reset(token)
             await rollout.close()
+
+    async def open(self, task: str, sandboxes: Sandboxes, tools: Tools | None = None) -> Rollout:
+        """A rollout that outlives any one block of code (an environment from its setup to its cleanup, in
+        other tasks); `await rollout.close()` it when done. `tvcache.current_rollout()` does not return it."""
+        if self._unchecked:
+            await self.check()
+            self._unchecked = False
+        return Rollout(self._ctx, self.scope(task, sandboxes), sandboxes, tools)
 
     def stats(self) -> dict[str, float]:
         return self._ctx.stats.as_dict()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterable, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager, contextmanager
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from .cache import ToolCache
@@ -30,9 +30,8 @@ T = TypeVar("T")
 class SyncRollout:
     """A `Rollout` driven from synchronous code (any thread but the cache's own); see `SyncToolCache.open`."""
 
-    def __init__(self, owner: SyncToolCache, manager: AbstractAsyncContextManager[Rollout], rollout: Rollout):
-        self._owner, self._manager, self._rollout = owner, manager, rollout
-        self._closed = False
+    def __init__(self, owner: SyncToolCache, rollout: Rollout):
+        self._owner, self._rollout = owner, rollout
 
     def call(self, tool: str, args: Mapping[str, Any] | str | None = None) -> Result:
         return self._owner._run(self._rollout.call(tool, args))
@@ -55,12 +54,9 @@ class SyncRollout:
         """The async rollout underneath (its calls must run on the cache's loop: `rollout.loop`)."""
         return self._rollout
 
-    def close(self, exc: BaseException | None = None) -> None:
+    def close(self) -> None:
         """End the rollout and close its sandbox. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            info = (type(exc), exc, exc.__traceback__) if exc is not None else (None, None, None)
-            self._owner._run(self._manager.__aexit__(*info))
+        self._owner._run(self._rollout.close())
 
 
 class SyncToolCache:
@@ -82,8 +78,7 @@ class SyncToolCache:
     def open(self, task: str, sandboxes: Sandboxes, tools: Tools | None = None) -> SyncRollout:
         """Start a rollout that outlives any one block of code (an env from `reset` to `close`, its steps on
         a thread pool); `close()` it when done."""
-        manager: AbstractAsyncContextManager[Rollout] = self.cache.rollout(task, sandboxes, tools)
-        return SyncRollout(self, manager, self._run(manager.__aenter__()))
+        return SyncRollout(self, self._run(self.cache.open(task, sandboxes, tools)))
 
     @contextmanager
     def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools | None = None) -> Iterator[SyncRollout]:
@@ -93,12 +88,8 @@ class SyncToolCache:
         token = _current.set(rollout.rollout)
         try:
             yield rollout
-        except BaseException as exc:
-            rollout.close(exc)
-            raise
-        else:
-            rollout.close()
         finally:
+            rollout.close()
             _current.reset(token)
 
     def prefetch(self, tasks: Iterable[str], sandboxes: Sandboxes, rollouts: int = 8) -> None:

@@ -73,9 +73,7 @@ def sandbox_factory(
 
     async def make(env_dir: Path, timeout: int) -> TvcacheSandbox:
         chosen = cache if cache is not None else process_cache()
-        manager = chosen.rollout(task(Path(env_dir)), sandboxes(Path(env_dir)), tools)
-        rollout = await manager.__aenter__()
-        return TvcacheSandbox(rollout, manager.__aexit__)
+        return TvcacheSandbox(await chosen.open(task(Path(env_dir)), sandboxes(Path(env_dir)), tools))
 
     return make
 
@@ -97,8 +95,8 @@ class CommandResult:
 class TvcacheSandbox:
     """The cookbook's `SandboxInterface` over a tvcache rollout; see the module docstring."""
 
-    def __init__(self, rollout: Rollout, leave: Callable[..., Awaitable[Any]]) -> None:
-        self._rollout, self._leave = rollout, leave
+    def __init__(self, rollout: Rollout) -> None:
+        self._rollout = rollout
         self._id = f"tvcache-{next(_ids)}"
         self.results: list[Result] = []  # every call's result, in order: hits, seconds
 
@@ -152,7 +150,7 @@ class TvcacheSandbox:
         return CommandResult("", "", 0)
 
     async def cleanup(self) -> None:
-        leave, self._leave = self._leave, None  # type: ignore[assignment]
-        if leave is not None:
-            with contextlib.suppress(RuntimeError):
-                await leave(None, None, None)
+        # Idempotent; a cleanup on another event loop than the rollout's (its lock is bound to that one) must not
+        # fail the episode.
+        with contextlib.suppress(RuntimeError):
+            await self._rollout.close()

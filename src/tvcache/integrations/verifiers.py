@@ -102,7 +102,6 @@ class _Open:
     """A trace's tvcache rollout while the trace runs, and what its calls found in the cache."""
 
     rollout: Rollout
-    leave: Any
     trace: weakref.ref[vf.Trace]
     workdir: str | None
     calls: int = 0
@@ -147,9 +146,8 @@ class CachedTask(vf.Task):
                 "through tvcache; use a harness that does (bash, null, codex, claude_code, pi, kimi_code)"
             )
         sandboxes = self.tvcache_sandboxes()
-        manager = self.tvcache_cache().rollout(self.tvcache_task(), sandboxes, self.tvcache_tools)
-        rollout = await manager.__aenter__()
-        _open[trace.id] = _Open(rollout, manager.__aexit__, weakref.ref(trace), getattr(sandboxes, "cwd", None))
+        rollout = await self.tvcache_cache().open(self.tvcache_task(), sandboxes, self.tvcache_tools)
+        _open[trace.id] = _Open(rollout, weakref.ref(trace), getattr(sandboxes, "cwd", None))
         await super().setup(trace, self._view(trace, runtime))
 
     async def finalize(self, trace: vf.Trace, runtime: vf.Runtime) -> None:
@@ -245,7 +243,7 @@ def _text(result: Result) -> str:
 async def _close(trace_id: str) -> None:
     opened = _open.pop(trace_id, None)
     if opened is not None:
-        await opened.leave(None, None, None)
+        await opened.rollout.close()
 
 
 async def _close_finished() -> None:
