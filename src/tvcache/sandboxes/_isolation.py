@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ._layers import LayerStore, copy_layer, is_empty, listing, merge_layers
+from ._layers import LayerStore, copy_layer, is_empty, listing, merge_layers, relisted
 from ._layout import DEVICES, Layout, build_layout
 from ._mounts import HelperMounter, Mounter, MountSpace, PrivateMounter
 from ._rundir import mounts_below
@@ -279,15 +279,10 @@ class LayeredRoot(SandboxRoot):
         self.space.detach(self.path)
 
     async def changed(self) -> bool:
-        # An untouched upper dir is empty, checked in microseconds; otherwise compare listings.
         changed = False
         for k in range(len(self._listings)):
-            upper = self._upper(k)
-            if self._listings[k] is None and is_empty(upper):
-                continue
-            now = await asyncio.to_thread(listing, upper)
-            changed = changed or now != self._listings[k]
-            self._listings[k] = now
+            moved, self._listings[k] = await relisted(self._upper(k), self._listings[k])
+            changed = changed or moved
         return changed
 
     async def freeze(self, state: ShellState) -> Snapshot:

@@ -11,6 +11,7 @@ _mounts), so that is all `merge` has to understand.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
@@ -21,7 +22,7 @@ import subprocess
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["LayerStore", "copy_layer", "is_empty", "listing", "listing_digest", "merge_layers"]
+__all__ = ["LayerStore", "copy_layer", "is_empty", "listing", "listing_digest", "merge_layers", "relisted"]
 
 #: One entry of a change-detection listing: (relative path, inode, size, mtime, ctime, mode).
 Entry = tuple[str, int, int, int, int, int]
@@ -56,6 +57,15 @@ def listing(root: str) -> list[Entry]:
 PSEUDO_TOPS = frozenset({b"proc", b"sys", b"dev", b"run"})
 #: What `find` prints per entry: its relative path, then type, mode, owner, group, size, mtime, symlink target.
 _FIND_FORMAT = "%P\\0%y %m %U %G %s %T@ %l\\0"
+
+
+async def relisted(upper: str, previous: list[Entry] | None) -> tuple[bool, list[Entry] | None]:
+    """Whether the upper dir `upper` changed since its `previous` listing (None: never listed), and its listing
+    now. An upper dir nothing wrote to is empty, which is checked in microseconds without listing it."""
+    if previous is None and is_empty(upper):
+        return False, None
+    now = await asyncio.to_thread(listing, upper)
+    return now != previous, now
 
 
 def listing_digest(roots: Iterable[str]) -> str:

@@ -75,7 +75,7 @@ from . import _fastpaths as fast
 from ._docker_exec import kill_everything, run_bash
 from ._docker_pipeline import Pipeline, describe, inspect_image
 from ._docker_run import RUN_LABEL, SNAPSHOT_REPO, new_run, reap_dead_runs, remove_run
-from ._layers import is_empty, listing
+from ._layers import is_empty, relisted
 from ._shell import ShellState, unfinished
 from ._threads import in_own_thread
 from .base import Outcome, SandboxError
@@ -609,11 +609,7 @@ class DockerSandbox(ManagedSandbox):
         """Did the container's filesystem change since the last look? None: cannot tell (no local upper dir)."""
         if self._upper is None:
             return None
-        if self._listing is None and is_empty(self._upper):
-            return False
-        now = await asyncio.to_thread(listing, self._upper)
-        changed = now != self._listing
-        self._listing = now
+        changed, self._listing = await relisted(self._upper, self._listing)
         return changed
 
     # -- snapshots and lifetime -------------------------------------------------------------------------
