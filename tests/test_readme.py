@@ -1,40 +1,77 @@
-"""Every Python block of the README runs as written: a newcomer pastes them. Each runs in a fresh interpreter from
-the repository's root, with nothing but what the README itself names (the data in ../shared/workloads, an image
-the README says how to build)."""
+"""Every code block of the README and of the docs pages runs as written: a newcomer pastes them. A Python block runs
+in a fresh interpreter from the repository's root, with nothing but what the page itself names (an image the page
+says how to build); a YAML block parses, and every `_target_` it names imports. A `text` block is a drawing or an
+output, not code; a fence without a language is refused, so that no code block goes unchecked by mistake."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
-BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+RUN = {"python", "yaml"}
+NOT_CODE = {"text"}
 
 
-def blocks() -> list[object]:
+def blocks(language: str) -> list[Any]:
     params = []
-    for match in BLOCK.finditer(README):
-        line = README.count("\n", 0, match.start()) + 1
-        heading = re.findall(r"^#+ (.+)$", README[: match.start()], re.M)
-        name = re.sub(r"[^a-z0-9]+", "-", (heading[-1] if heading else "top").lower()).strip("-")
-        params.append(pytest.param(match.group(1), id=f"{name}-line{line}"))
+    for page in PAGES:
+        text = page.read_text()
+        for match in FENCE.finditer(text):
+            if match.group(1) != language:
+                continue
+            line = text.count("\n", 0, match.start()) + 1
+            heading = re.findall(r"^#+ (.+)$", text[: match.start()], re.M)
+            name = re.sub(r"[^a-z0-9]+", "-", (heading[-1] if heading else "top").lower()).strip("-")
+            where = page.relative_to(ROOT).with_suffix("").as_posix().replace("/", "-")
+            params.append(pytest.param(match.group(2), id=f"{where}-{name}-line{line}"))
     return params
 
 
-def test_the_readme_has_python_blocks() -> None:
-    assert len(blocks()) >= 10
+def test_the_pages_have_python_blocks() -> None:
+    assert len(blocks("python")) >= 17
 
 
-@pytest.mark.parametrize("code", blocks())
-def test_a_readme_block_runs_as_written(code: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TVCACHE_WORKLOADS"}  # only the paths the README names
+def test_every_fence_names_a_language_the_test_knows() -> None:
+    unknown = [
+        f"{page.relative_to(ROOT)}:{page.read_text().count(chr(10), 0, match.start()) + 1}: {match.group(1)!r}"
+        for page in PAGES
+        for match in FENCE.finditer(page.read_text())
+        if match.group(1) not in RUN | NOT_CODE
+    ]
+    assert not unknown, f"fences this test would not check (label them python, yaml or text): {unknown}"
+
+
+@pytest.mark.parametrize("code", blocks("python"))
+def test_a_python_block_runs_as_written(code: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TVCACHE_WORKLOADS"}  # only the paths the page names
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout[-2000:]}\nstderr:\n{result.stderr[-4000:]}"
+
+
+def targets(node: object) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["_target_"]] if isinstance(node.get("_target_"), str) else []
+        return own + [t for value in node.values() for t in targets(value)]
+    if isinstance(node, list):
+        return [t for value in node for t in targets(value)]
+    return []
+
+
+@pytest.mark.parametrize("code", blocks("yaml"))
+def test_a_yaml_block_parses_and_names_what_exists(code: str) -> None:
+    for target in targets(yaml.safe_load(code)):
+        module, _, name = target.rpartition(".")
+        assert hasattr(importlib.import_module(module), name), target
