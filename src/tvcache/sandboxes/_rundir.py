@@ -16,22 +16,12 @@ import shutil
 import time
 from pathlib import Path
 
-from . import _syscalls as sc
 from ._cgroups import remove_tree
+from .reclaim import detach_all, mounts_below, process_start_time
 
-__all__ = ["RunDir", "mounts_below", "process_start_time", "reap_stale"]
+__all__ = ["RunDir", "mounts_below", "process_start_time", "reap", "reap_stale", "stale_run_dirs"]
 
 ROOT_NAME = "tvcache-workspace"
-
-
-def process_start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # Field 22 (starttime) counts from after the ")" closing the command name, which may contain spaces.
-    return data[data.rindex(b")") + 2 :].split()[19].decode()
 
 
 def _owner_alive(run_dir: Path) -> bool:
@@ -47,39 +37,29 @@ def _owner_alive(run_dir: Path) -> bool:
     return process_start_time(int(pid_text)) == start
 
 
-def mounts_below(path: Path) -> list[str]:
-    """The mount points at or below `path`, deepest first."""
-    prefix = str(path).rstrip("/") + "/"
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            target = line.split()[4].encode().decode("unicode_escape")
-            if target == str(path) or target.startswith(prefix):
-                found.append(target)
-    return sorted(found, key=len, reverse=True)
-
-
-def _detach_all(path: Path) -> None:
-    for target in mounts_below(path):
-        with contextlib.suppress(OSError):
-            sc.umount(target, sc.MNT_DETACH)
+def stale_run_dirs(tmp: Path) -> list[Path]:
+    """The run dirs under `tmp` whose owner process is gone."""
+    root = tmp / ROOT_NAME
+    if not root.is_dir():
+        return []
+    return [d for d in root.iterdir() if d.name.startswith("run-") and not _owner_alive(d)]
 
 
 def reap_stale(tmp: Path) -> int:
     """Remove the run dirs under `tmp` whose owner process is gone; returns how many were reaped."""
-    root = tmp / ROOT_NAME
-    reaped = 0
-    if not root.is_dir():
-        return 0
-    for run_dir in root.iterdir():
-        if not run_dir.name.startswith("run-") or _owner_alive(run_dir):
-            continue
-        with contextlib.suppress(OSError):
-            _detach_all(run_dir)
+    stale = stale_run_dirs(tmp)
+    for run_dir in stale:
+        reap(run_dir)
+    return len(stale)
+
+
+def reap(run_dir: Path) -> None:
+    """Detach every mount below a run dir, remove its cgroups and the dir."""
+    try:
+        detach_all(run_dir)
+    finally:
         _remove_cgroups(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
-        reaped += 1
-    return reaped
 
 
 class RunDir:
@@ -98,11 +78,7 @@ class RunDir:
         (self.path / "cgroups").write_text("".join(f"{d}\n" for d in dirs))
 
     def remove(self) -> None:
-        try:
-            _detach_all(self.path)
-        finally:
-            _remove_cgroups(self.path)
-            shutil.rmtree(self.path, ignore_errors=True)
+        reap(self.path)
 
 
 def _remove_cgroups(run_dir: Path) -> None:
