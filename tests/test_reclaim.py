@@ -11,6 +11,7 @@ the child owned is found by its pid in the names tvcache gives things (`tvcache-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -18,9 +19,11 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,6 +66,20 @@ class Child:
 
     def kill_at(self, point: str, jitter: float = 0.05) -> None:
         self.wait_for(point)
+        time.sleep(RNG.uniform(0, jitter))
+        self.kill()
+
+    def kill_once_it_holds(self, point: str, *parents: Path, jitter: float = 0.05) -> None:
+        """Kill at `point`, once something of the child's exists in `parents` (a step that makes its scratch
+        only some way in)."""
+        self.kill_once(point, lambda: bool(owned_by(self.pid, *parents)), jitter)
+
+    def kill_once(self, point: str, holds: Callable[[], bool], jitter: float = 0.05) -> None:
+        """Kill at `point`, once `holds()`."""
+        self.wait_for(point)
+        deadline = time.monotonic() + 30
+        while not holds() and time.monotonic() < deadline and self.proc.poll() is None:
+            time.sleep(0.005)
         time.sleep(RNG.uniform(0, jitter))
         self.kill()
 
@@ -212,3 +229,249 @@ def test_gc_lists_with_sizes_then_reclaims_only_what_dead_processes_left(tmp: Pa
         assert live.directory.is_dir() and (live.directory / "base.sqlite").is_file()
     finally:
         asyncio.run(live.close())
+
+
+# -- remote: the sandbox server --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_sandbox_server_reclaims_on_start_what_a_killed_predecessor_held(
+    point: str, tmp: Path, base: Path, db: Path
+) -> None:
+    """A client drives create, snapshot, restore and close through a `tvcache sandbox-server`; the server is
+    killed at `point` (the client's request in flight); the next server on the machine starts clean, before any
+    client asks it anything. The next server serves the other kind (workspace after sqlite, sqlite after
+    workspace), so what goes is what the server reclaims on start, not what its own factory reaps."""
+    from server_helpers import SandboxServer
+    from tvcache.sandboxes.remote import RemoteSandboxes
+
+    kinds = {
+        "workspace": (base, "bash", {"command": "echo one > a"}),
+        "sqlite": (db, "sql", {"query": "CREATE TABLE t (x)"}),
+    }
+    first_kind, second_kind = ("workspace", "sqlite") if POINTS.index(point) % 2 else ("sqlite", "workspace")
+
+    def server(kind: str) -> SandboxServer:
+        return SandboxServer(tmp, ["--sandbox", kind, "--base", str(kinds[kind][0])])
+
+    def call(kind: str) -> ToolCall:
+        return ToolCall(kinds[kind][1], kinds[kind][2])
+
+    async def drive(boxes: RemoteSandboxes, dying: SandboxServer) -> None:
+        async def step(name: str, op: Any) -> Any:
+            if name != point:
+                return await op
+            task = asyncio.ensure_future(op)
+            await asyncio.sleep(RNG.uniform(0, 0.05))
+            dying.kill9()
+            with contextlib.suppress(Exception):
+                await task
+            raise Killed
+
+        box = await step("create", boxes.create())
+        await box.execute(call(first_kind))
+        snapshot = await step("snapshot", box.snapshot())
+        other = await step("restore", boxes.restore(snapshot))
+        await step("close", other.close())
+        await step("idle", asyncio.sleep(0))
+
+    async def go() -> None:
+        first = server(first_kind).start()
+        assert first.proc is not None
+        pid = first.proc.pid
+        boxes = RemoteSandboxes(first.url)
+        try:
+            with contextlib.suppress(Killed):
+                await drive(boxes, first)
+        finally:
+            await boxes.close()
+        assert owned_by(pid, Path("/dev/shm")), "the killed server left nothing: the test would prove nothing"
+        with server(second_kind) as second:
+            assert owned_by(pid, Path("/dev/shm")) == []
+            async with RemoteSandboxes(second.url) as again:
+                box = await again.create()
+                assert not (await box.execute(call(second_kind))).error
+
+    asyncio.run(go())
+
+
+class Killed(Exception):
+    """The server was killed at the chosen point."""
+
+
+# -- the benchmarks' video sandboxes and video builder --------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", ("build", *POINTS))
+def test_video_the_next_build_and_factory_reclaim_a_killed_processs_scratch(point: str, tmp: Path) -> None:
+    from tvcache_bench.workloads.video import clips
+    from tvcache_bench.workloads.video.sandbox import VideoSandboxes
+
+    videos = tmp / "videos"
+    child = Child("video", videos, tmp)
+    child.kill_once_it_holds(point, tmp, videos)
+    assert owned_by(child.pid, tmp, videos)
+    catalogue = clips.build((clips.VideoSpec("alpha", 2, 11, "bunny"),), videos)
+    boxes = VideoSandboxes(catalogue, timeout=60, tmp=str(tmp))
+    try:
+        assert owned_by(child.pid, tmp, videos) == []
+    finally:
+        asyncio.run(boxes.close())
+
+
+# -- image builders: layer unpacking, debootstrap ---------------------------------------------------------------
+
+
+def test_unpacking_a_layer_reclaims_what_a_killed_unpacker_left(tmp: Path) -> None:
+    layer = tmp / "layer.tar"
+    tree = tmp / "tree"
+    tree.mkdir()
+    for n in range(64):
+        (tree / f"file{n}").write_bytes(os.urandom(256 << 10))
+    subprocess.run(["tar", "-C", str(tree), "-cf", str(layer), "."], check=True)
+    cache = tmp / "layers"
+    child = Child("unpack", layer, cache)
+    child.kill_once_it_holds("unpack", cache, jitter=0.1)
+    from tvcache.sandboxes import images
+
+    with open(layer, "rb") as source:
+        unpacked = images.unpack_layer(source, "sha256:" + "0" * 64, cache)
+    assert owned_by(child.pid, cache) == []
+    assert sorted(p.name for p in unpacked.iterdir()) == sorted(p.name for p in tree.iterdir())
+
+
+#: A stand-in for debootstrap, which needs a Debian mirror (no network here): it makes a small root and mounts
+#: /proc in it as debootstrap's second stage does, then works for $STANDIN_SECONDS.
+STANDIN_DEBOOTSTRAP = """#!{python}
+import os, subprocess, sys, time
+root = sys.argv[3]
+for d in ("proc", "etc", "var/cache/apt/archives", "var/lib/apt/lists"):
+    os.makedirs(os.path.join(root, d), exist_ok=True)
+open(os.path.join(root, "etc/os-release"), "w").write("stand-in\\n")
+mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "proc", "proc", root + "/proc"]).returncode == 0
+open(os.environ["STANDIN_PID"], "w").write(str(os.getpid()))
+time.sleep(float(os.environ.get("STANDIN_SECONDS", "0")))
+if mounted:
+    subprocess.run(["umount", root + "/proc"], check=True)
+"""
+
+
+def test_a_debootstrap_build_killed_midway_is_reclaimed_by_the_next(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tvcache_bench import docker_setup
+
+    bin_dir, pid_file = tmp / "bin", tmp / "standin.pid"
+    bin_dir.mkdir()
+    (bin_dir / "debootstrap").write_text(STANDIN_DEBOOTSTRAP.format(python=sys.executable))
+    (bin_dir / "debootstrap").chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    cache = reclaim.scratch_dir("test-reclaim", "/var/tmp")  # where the build goes: the tarball is moved in
+    monkeypatch.setattr(docker_setup, "CACHE", cache / "tvcache")
+    (cache / "tvcache").mkdir()
+    standin = {"PATH": path, "STANDIN_PID": str(pid_file), "XDG_CACHE_HOME": str(cache)}
+    child = Child("debootstrap", extra_env={**standin, "STANDIN_SECONDS": "60"})
+    child.wait_for("build")
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(RNG.uniform(0, 0.05))
+    child.kill()
+    helper = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while reclaim.process_start_time(helper) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reclaim.process_start_time(helper) is None, "debootstrap outlived the process that ran it"
+    left = owned_by(child.pid, Path("/var/tmp"))
+    assert left and (os.geteuid() != 0 or any(p.endswith("/root/proc") for p in left)), left
+    for name, value in {**standin, "STANDIN_SECONDS": "0"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        tarball = docker_setup._rootfs_tarball()
+        assert owned_by(child.pid, Path("/var/tmp")) == []
+        with tarfile.open(tarball) as tar:
+            assert "./etc/os-release" in tar.getnames()
+    finally:
+        shutil.rmtree(cache)
+
+
+# -- Docker ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", name="small_image")
+def small_image_fixture() -> Iterator[str]:
+    """A small real image: this host's bash and rm with their libraries (the Debian base image needs a mirror)."""
+    from tvcache_bench.docker_setup import DockerUnavailable, ensure_daemon
+
+    try:
+        ensure_daemon()
+    except DockerUnavailable as exc:
+        pytest.skip(f"Docker cannot run here: {exc}")
+    tag = f"tvcache-test/reclaim:{os.getpid()}"
+    with reclaim.scratch("test-reclaim-image", "/var/tmp") as root:
+        for binary in ("/bin/bash", "/bin/rm"):
+            libraries = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+            for path in [binary, *(w for w in libraries.split() if w.startswith("/"))]:
+                (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, root / path.lstrip("/"))
+        for empty in ("tmp", "root", "dev", "proc", "etc"):
+            (root / empty).mkdir(exist_ok=True)
+        tar = subprocess.Popen(["tar", "-C", str(root), "-cf", "-", "."], stdout=subprocess.PIPE)
+        subprocess.run(["docker", "import", "-", tag], stdin=tar.stdout, check=True, capture_output=True)
+        assert tar.wait() == 0
+    yield tag
+    subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
+
+
+def docker_owned_by(pid: int) -> list[str]:
+    """The containers, images and networks whose `tvcache.owner` label names `pid` on this host."""
+    found = []
+    listings = {
+        "container": ["docker", "ps", "-aq", "--filter", "label=tvcache.owner"],
+        "image": ["docker", "images", "-aq", "--filter", "label=tvcache.owner"],
+        "network": ["docker", "network", "ls", "-q", "--filter", "label=tvcache.owner"],
+    }
+    for kind, listing in listings.items():
+        ids = subprocess.run(listing, capture_output=True, text=True, check=True).stdout.split()
+        if ids:
+            inspect = ["docker", kind, "inspect", "--format", '{{index .Config.Labels "tvcache.owner"}}', *ids]
+            if kind == "network":
+                inspect[4] = '{{index .Labels "tvcache.owner"}}'
+            owners = subprocess.run(inspect, capture_output=True, text=True).stdout.splitlines()
+            found += [f"{kind} {i}" for i, owner in zip(ids, owners, strict=False) if f" {pid} " in owner]
+    return found
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_docker_the_next_factory_reclaims_a_killed_processs_containers_and_images(point: str, small_image: str) -> None:
+    from tvcache.sandboxes.docker import DockerSandboxes
+
+    async def go() -> None:
+        async with DockerSandboxes(small_image) as live:
+            box = await live.create()
+            await box.execute(ToolCall("bash", {"command": "echo live > mine"}))
+            child = Child("docker", small_image)
+            child.kill_once(point, lambda: bool(docker_owned_by(child.pid)))
+            assert docker_owned_by(child.pid)
+            async with DockerSandboxes(small_image) as after:
+                await (await after.create()).close()
+                assert docker_owned_by(child.pid) == []
+            out = await box.execute(ToolCall("bash", {"command": "echo $(<mine)"}))
+            assert out.output["output"] == "live\n"  # type: ignore[index]
+
+    asyncio.run(go())
+
+
+def test_gc_lists_and_reclaims_a_killed_processs_docker_run(small_image: str) -> None:
+    child = Child("docker", small_image)
+    child.kill_once(RNG.choice(POINTS), lambda: bool(docker_owned_by(child.pid)))
+    left = docker_owned_by(child.pid)
+    assert left
+
+    def gc(*options: str) -> str:
+        command = [sys.executable, "-m", "tvcache.cli", "gc", *options]
+        return subprocess.run(command, env=env(), capture_output=True, text=True, check=True).stdout
+
+    line = next(line for line in gc("--dry-run").splitlines() if "docker" in line and f"pid {child.pid} " in line)
+    assert line.split()[1] in ("B", "KiB", "MiB", "GiB") and "tvcache-" in line
+    assert docker_owned_by(child.pid) == left
+    gc()
+    assert docker_owned_by(child.pid) == []
