@@ -161,19 +161,24 @@ def test_sqlite_the_next_factory_reclaims_a_killed_processs_copies(point: str, t
     asyncio.run(go())
 
 
-def test_sqlite_a_reused_pid_does_not_pass_for_the_owner(tmp: Path, db: Path) -> None:
-    """The owner is the pid and its start time: this process's pid with another start time is a dead owner."""
+def test_a_reused_pid_does_not_pass_for_the_owner(tmp: Path, db: Path) -> None:
+    """The owner is the pid and its start time: this process's pid with another start time is a dead owner,
+    whatever made it (scratch of another kind, a workspace run dir)."""
     me, start = os.getpid(), reclaim.process_start_time(os.getpid())
     assert start is not None
     dead = tmp / f"tvcache-sqlite-{me}-{int(start) - 1}-0123abcd"
     alive = tmp / f"tvcache-sqlite-{me}-{start}-4567abcd"
     other_kind = tmp / f"tvcache-video-{me}-{int(start) - 1}-89abcdef"
-    for path in (dead, alive, other_kind):
-        path.mkdir()
+    run_dir = tmp / "tvcache-workspace" / f"run-{me}-0123abcd"
+    live_run_dir = tmp / "tvcache-workspace" / f"run-{me}-4567abcd"
+    for path in (dead, alive, other_kind, run_dir, live_run_dir):
+        path.mkdir(parents=True)
         (path / "base.sqlite").write_bytes(b"x" * 10_000)
+    (run_dir / "owner").write_text(f"{me} {int(start) - 1}\n")
+    (live_run_dir / "owner").write_text(f"{me} {start}\n")
     asyncio.run(SQLiteSandboxes(db, tmp=tmp).close())
-    assert not dead.exists() and alive.is_dir()
-    assert other_kind.is_dir(), "a factory reclaims only its own kind"
+    assert not dead.exists() and not other_kind.exists() and not run_dir.exists()
+    assert alive.is_dir() and live_run_dir.is_dir()
 
 
 # -- workspace ------------------------------------------------------------------------------------------------
@@ -202,11 +207,14 @@ def test_workspace_the_next_factory_reclaims_run_dir_mounts_and_cgroups(point: s
 def test_gc_lists_with_sizes_then_reclaims_only_what_dead_processes_left(tmp: Path, db: Path, base: Path) -> None:
     live = SQLiteSandboxes(db, tmp=tmp)
     try:
-        killed = []
-        for kind, args in (("sqlite", (db, tmp)), ("workspace", (base, tmp))):
-            child = Child(kind, *args)
-            child.kill_at(RNG.choice(POINTS))
-            killed.append(child.pid)
+        # Both run at once: a factory reclaims what any dead process left in its tmp, so one killed before the
+        # other started would be gone before gc looks.
+        children = [Child("sqlite", db, tmp), Child("workspace", base, tmp)]
+        for child in children:
+            child.wait_for(RNG.choice(POINTS))
+        for child in children:
+            child.kill()
+        killed = [child.pid for child in children]
         left = {pid: owned_by(pid, tmp) for pid in killed}
         assert all(left.values())
 

@@ -66,7 +66,7 @@ def _add_gc(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 def _gc(args: argparse.Namespace) -> int:
     from .sandboxes import reclaim
 
-    found = reclaim.leftovers(args.tmp)
+    found = reclaim.leftovers(reclaim.scratch_parents(args.tmp))
     if not args.no_docker:
         try:
             found += reclaim.docker_leftovers(args.docker_url)

@@ -2,8 +2,9 @@
 
 Every `WorkspaceSandboxes` keeps all it creates under `<tmp>/tvcache-workspace/run-<pid>-<token>/`, whose
 `owner` file records the creating process's pid and start time and whose `cgroups` file lists its cgroup
-directories. Each new factory first reaps the run dirs whose owner is gone (pid dead or reused): it detaches
-every mount below them, removes them and their cgroups. Mounts made through a user-namespace helper vanish
+directories. Each new factory first reaps the run dirs whose owner is gone (pid dead or reused; through
+`reclaim.reclaim_dead`, with the rest of dead processes' scratch in `tmp`): it detaches every mount below them,
+removes them and their cgroups. Mounts made through a user-namespace helper vanish
 with the helper, so only files remain there.
 """
 
@@ -17,9 +18,9 @@ import time
 from pathlib import Path
 
 from ._cgroups import remove_tree
-from .reclaim import detach_all, mounts_below, process_start_time
+from .reclaim import detach_all, mounts_below, process_start_time, reclaim_dead
 
-__all__ = ["RunDir", "mounts_below", "process_start_time", "reap", "reap_stale", "stale_run_dirs"]
+__all__ = ["RunDir", "mounts_below", "process_start_time", "reap", "stale_run_dirs"]
 
 ROOT_NAME = "tvcache-workspace"
 
@@ -45,14 +46,6 @@ def stale_run_dirs(tmp: Path) -> list[Path]:
     return [d for d in root.iterdir() if d.name.startswith("run-") and not _owner_alive(d)]
 
 
-def reap_stale(tmp: Path) -> int:
-    """Remove the run dirs under `tmp` whose owner process is gone; returns how many were reaped."""
-    stale = stale_run_dirs(tmp)
-    for run_dir in stale:
-        reap(run_dir)
-    return len(stale)
-
-
 def reap(run_dir: Path) -> None:
     """Detach every mount below a run dir, remove its cgroups and the dir."""
     try:
@@ -64,7 +57,7 @@ def reap(run_dir: Path) -> None:
 
 class RunDir:
     def __init__(self, tmp: Path):
-        reap_stale(tmp)
+        reclaim_dead(tmp)  # dead processes' run dirs, and any other scratch of theirs here
         root = tmp / ROOT_NAME
         root.mkdir(mode=0o700, exist_ok=True)
         self.name = f"run-{os.getpid()}-{secrets.token_hex(4)}"

@@ -12,9 +12,10 @@ for the owner. What names it:
   mounts and the list of its cgroups (see `_rundir`);
 - Docker containers, images and networks carry the labels `tvcache.run` and `tvcache.owner` (see `_docker_run`).
 
-Each maker of scratch reclaims the dead scratch of its own kind in the same parent before it makes its own
-(`scratch_dir` does it); `tvcache gc` lists and reclaims every kind at once (`leftovers`), and a sandbox server
-does so when it starts. Nothing of a live owner is ever touched.
+Whatever makes scratch or a run dir first reclaims everything of dead owners in the same parent (`reclaim_dead`:
+`scratch_dir` and `RunDir` call it), so the next factory working where a killed one worked leaves nothing of it;
+`tvcache gc` lists and reclaims everything in every usual place (`leftovers(scratch_parents())`, and
+`docker_leftovers`), and a sandbox server does so when it starts. Nothing of a live owner is ever touched.
 """
 
 from __future__ import annotations
@@ -42,12 +43,10 @@ __all__ = [
     "mounts_below",
     "owner_alive",
     "process_start_time",
-    "reclaim_scratch",
+    "reclaim_dead",
     "scratch",
     "scratch_dir",
-    "scratch_leftovers",
     "scratch_parents",
-    "workspace_leftovers",
 ]
 
 #: `tvcache-<kind>-<pid>-<start>-<token>`; a kind is words of letters joined by hyphens, so it never swallows
@@ -93,11 +92,11 @@ def die_with_parent() -> None:
 
 def scratch_dir(kind: str, parent: str | os.PathLike[str] | None = None) -> Path:
     """A new private directory `<parent>/tvcache-<kind>-<pid>-<start>-<token>` (parent: the system's temp dir),
-    after reclaiming the scratch of `kind` in `parent` whose owner is gone. Removing it is the caller's job."""
+    after reclaiming what dead owners left in `parent`. Removing it is the caller's job."""
     if not re.fullmatch(r"[a-z]+(?:-[a-z]+)*", kind):
         raise ValueError(f"a scratch kind is words of lowercase letters joined by '-', got {kind!r}")
     where = Path(parent if parent is not None else tempfile.gettempdir())
-    reclaim_scratch(where, kind)
+    reclaim_dead(where)
     path = where / f"tvcache-{kind}-{owner_name()}-{secrets.token_hex(4)}"
     path.mkdir(mode=0o700)
     return path
@@ -113,9 +112,10 @@ def scratch(kind: str, parent: str | os.PathLike[str] | None = None) -> Iterator
         remove(path)
 
 
-def reclaim_scratch(parent: str | os.PathLike[str], kind: str | None = None) -> list[Leftover]:
-    """Remove the scratch in `parent` (of `kind`, or of any kind) whose owner is gone; returns what went."""
-    found = scratch_leftovers([Path(parent)], kind, sized=False)
+def reclaim_dead(parent: str | os.PathLike[str]) -> list[Leftover]:
+    """Remove everything in `parent` whose owner is gone (scratch of every kind, workspace run dirs with their
+    mounts and cgroups); returns what went."""
+    found = leftovers([Path(parent)], sized=False)
     for item in found:
         item.reclaim()
     return found
@@ -156,8 +156,11 @@ def _subdirs(path: Path) -> list[Path]:
         return []
 
 
-def scratch_leftovers(parents: Iterable[Path], kind: str | None = None, *, sized: bool = True) -> list[Leftover]:
-    """The scratch in `parents` (of `kind`, or of any) whose owner is gone."""
+def leftovers(parents: Iterable[Path], *, sized: bool = True) -> list[Leftover]:
+    """What dead owners left in `parents`: scratch, and workspace run dirs (`<parent>/tvcache-workspace/run-*`)
+    with the mounts and cgroups they hold. `sized`: measure each (a walk of the tree)."""
+    from ._rundir import reap, stale_run_dirs
+
     found = []
     for parent in parents:
         try:
@@ -165,37 +168,26 @@ def scratch_leftovers(parents: Iterable[Path], kind: str | None = None, *, sized
         except OSError:
             continue
         for name in names:
-            owner = _dead_owner(name, kind)
+            owner = _dead_owner(name)
             if owner is not None:
                 path = parent / name
-                size = du(path) if sized else 0
-                found.append(Leftover(str(path), owner[0], owner[1], size, functools.partial(remove, path)))
+                found.append(Leftover(str(path), *owner, du(path) if sized else 0, functools.partial(remove, path)))
+        for run_dir in stale_run_dirs(parent):
+            pid = run_dir.name.split("-")[1]
+            size = du(run_dir) if sized else 0
+            found.append(Leftover(str(run_dir), "workspace", pid, size, functools.partial(reap, run_dir)))
     return found
 
 
-def _dead_owner(name: str, kind: str | None) -> tuple[str, str] | None:
-    """(kind, owner pid) if `name` is scratch of `kind` whose owner is gone, else None."""
+def _dead_owner(name: str) -> tuple[str, str] | None:
+    """(kind, owner pid) if `name` is scratch whose owner is gone, else None."""
     m = _NAME.match(name)
     if m is not None:
-        if kind not in (None, m["kind"]) or owner_alive(int(m["pid"]), m["start"]):
-            return None
-        return m["kind"], m["pid"]
+        return None if owner_alive(int(m["pid"]), m["start"]) else (m["kind"], m["pid"])
     m = _OLD_SQLITE.match(name)
-    if m is not None and kind in (None, "sqlite") and not os.path.exists(f"/proc/{m['pid']}"):
+    if m is not None and not os.path.exists(f"/proc/{m['pid']}"):
         return "sqlite", m["pid"]
     return None
-
-
-def workspace_leftovers(parents: Iterable[Path]) -> list[Leftover]:
-    """The `WorkspaceSandboxes` run dirs under `parents` (each a factory's `tmp`) whose owner is gone."""
-    from ._rundir import reap, stale_run_dirs
-
-    found = []
-    for parent in parents:
-        for run_dir in stale_run_dirs(parent):
-            owner = run_dir.name.split("-")[1]
-            found.append(Leftover(str(run_dir), "workspace", owner, du(run_dir), functools.partial(reap, run_dir)))
-    return found
 
 
 def docker_leftovers(url: str | None = None) -> list[Leftover]:
@@ -211,13 +203,6 @@ def docker_leftovers(url: str | None = None) -> list[Leftover]:
         Leftover(f"docker run {run} (containers, images, networks)", "docker", pid, size, reclaimer(run))
         for run, pid, size in _blocking(dead_runs, url)
     ]
-
-
-def leftovers(tmps: Iterable[str | os.PathLike[str]] = ()) -> list[Leftover]:
-    """Everything on this machine's file systems that a dead owner left: scratch and workspace run dirs in
-    `scratch_parents(tmps)`, with the mounts and cgroups those hold. (Docker's: `docker_leftovers`.)"""
-    parents = scratch_parents(tmps)
-    return scratch_leftovers(parents) + workspace_leftovers(parents)
 
 
 def remove(path: Path) -> None:

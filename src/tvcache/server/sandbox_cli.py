@@ -72,7 +72,7 @@ def _reclaim_predecessors(*, docker: bool) -> None:
     snapshots among them (its scratch and run dirs on disk; its containers and snapshot images on Docker)."""
     from ..sandboxes import reclaim
 
-    found = reclaim.leftovers()
+    found = reclaim.leftovers(reclaim.scratch_parents())
     if docker:
         try:
             found += reclaim.docker_leftovers()
