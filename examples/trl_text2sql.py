@@ -28,6 +28,7 @@ from typing import Any
 import tvcache
 from tvcache.integrations import process_sandboxes
 from tvcache.integrations.trl import cached_environment, results
+from tvcache.sandboxes.reclaim import scratch
 from tvcache.sandboxes.sqlite import format_rows
 from tvcache_bench.data import workload_path
 from tvcache_bench.workloads.grpo.tasks import chinook as chinook_tasks
@@ -104,27 +105,30 @@ def main(steps: int, cache: bool, rollouts: int = 4, tokens: int = 128) -> list[
             print(f"rewards {scores}; tvcache: {sum(r.hit for r in calls)} of {len(calls)} calls hit")
         return scores
 
-    config = GRPOConfig(
-        output_dir="/tmp/tvcache-trl-example",
-        use_cpu=True,
-        max_steps=steps,
-        per_device_train_batch_size=rollouts,
-        num_generations=rollouts,
-        max_completion_length=tokens,
-        max_tool_calling_iterations=2,
-        generation_kwargs={"eos_token_id": stop_tokens(tokenizer)},
-        report_to="none",
-        save_strategy="no",
-    )
-    trainer = GRPOTrainer(
-        model=train_last_blocks(load_model(), 2),  # to fit a CPU: the last two blocks learn, the rest is frozen
-        processing_class=tokenizer,
-        reward_funcs=scored,
-        args=config,
-        train_dataset=dataset,
-        environment_factory=cached_environment(SQLEnv, chinook) if cache else SQLEnv,
-    )
-    trainer.train()
+    # TRL writes its output there; named for this process, so a run killed midway is reclaimed by the next
+    # (or `tvcache gc`).
+    with scratch("trl-example") as out:
+        config = GRPOConfig(
+            output_dir=str(out),
+            use_cpu=True,
+            max_steps=steps,
+            per_device_train_batch_size=rollouts,
+            num_generations=rollouts,
+            max_completion_length=tokens,
+            max_tool_calling_iterations=2,
+            generation_kwargs={"eos_token_id": stop_tokens(tokenizer)},
+            report_to="none",
+            save_strategy="no",
+        )
+        trainer = GRPOTrainer(
+            model=train_last_blocks(load_model(), 2),  # to fit a CPU: the last two blocks learn, the rest is frozen
+            processing_class=tokenizer,
+            reward_funcs=scored,
+            args=config,
+            train_dataset=dataset,
+            environment_factory=cached_environment(SQLEnv, chinook) if cache else SQLEnv,
+        )
+        trainer.train()
     return seen
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import tempfile
 from typing import Any
 
 import verifiers.v1 as vf
@@ -22,6 +21,7 @@ import verifiers.v1 as vf
 import tvcache
 from tvcache.integrations import process_cache, process_sandboxes
 from tvcache.integrations.verifiers import CachedTask
+from tvcache.sandboxes.reclaim import scratch_dir
 
 PROJECT = {
     "slug.py": (
@@ -66,7 +66,7 @@ class CachedFixSlugTask(CachedTask, FixSlugTask):
     def tvcache_sandboxes(self) -> tvcache.Sandboxes:
         # One factory per process, over an empty /testbed: setup's uploads are calls (cached per task) like any.
         return process_sandboxes(
-            "verifiers-slug", lambda: tvcache.WorkspaceSandboxes(tempfile.mkdtemp(prefix="slug-"), timeout=60)
+            "verifiers-slug", lambda: tvcache.WorkspaceSandboxes(scratch_dir("verifiers-example"), timeout=60)
         )
 
 

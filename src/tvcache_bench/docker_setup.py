@@ -15,10 +15,11 @@ import fcntl
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from tvcache.sandboxes.reclaim import die_with_parent, scratch_dir
 
 __all__ = ["BASE_IMAGE", "CACHE", "DockerUnavailable", "debian_base", "ensure_daemon"]
 
@@ -91,7 +92,7 @@ def _rootfs_tarball() -> Path:
         return tarball
     if shutil.which("debootstrap") is None:
         raise DockerUnavailable("debootstrap is not installed (apt-get install debootstrap)")
-    work = Path(tempfile.mkdtemp(prefix="tvcache-debootstrap-", dir="/var/tmp"))
+    work = scratch_dir("debootstrap", "/var/tmp")
     try:
         root = work / "root"
         proc = subprocess.run(
@@ -99,6 +100,7 @@ def _rootfs_tarball() -> Path:
             capture_output=True,
             text=True,
             timeout=900,
+            preexec_fn=die_with_parent,  # killed with us: the next build reclaims this scratch
         )
         if proc.returncode != 0:
             raise DockerUnavailable(f"debootstrap failed: {(proc.stdout + proc.stderr)[-2000:]}")

@@ -24,7 +24,6 @@ import inspect
 import os
 import shutil
 import sqlite3
-import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 from tvcache.calls import ToolCall, Tools
 from tvcache.sandboxes.base import Sandbox, SandboxError, Sandboxes
+from tvcache.sandboxes.reclaim import scratch_dir
 
 from .traces import Trace, read_traces, task_order
 
@@ -163,7 +163,7 @@ def _sqlite(
         return factory, factory.close
     # The setup runs on a private copy: the user's file is never written.
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    scratch = Path(tempfile.mkdtemp(prefix="tvcache-setup-", dir=shm))
+    scratch = scratch_dir("setup", shm)
     try:
         copy = scratch / "base.sqlite"
         shutil.copyfile(source, copy)

@@ -16,9 +16,9 @@ from typing import Any
 
 import aiodocker
 
-from ._rundir import process_start_time
+from .reclaim import owner_alive, process_start_time
 
-__all__ = ["RUN_LABEL", "SNAPSHOT_REPO", "new_run", "reap_dead_runs", "remove_run"]
+__all__ = ["RUN_LABEL", "SNAPSHOT_REPO", "dead_runs", "new_run", "reap_dead_runs", "remove_run"]
 
 RUN_LABEL = "tvcache.run"
 #: Snapshot images are tagged `tvcache-snapshot:<run>-<n>` (an untagged image is what `docker image prune` eats).
@@ -37,23 +37,33 @@ def _owner_gone(owner: str) -> bool:
         host, pid, start = owner.split(" ")
     except ValueError:
         return False  # not ours to judge
-    return host == socket.gethostname() and process_start_time(int(pid)) != start
+    return host == socket.gethostname() and not owner_alive(int(pid), start)
+
+
+async def dead_runs(docker: aiodocker.Docker) -> list[tuple[str, str, int]]:
+    """The runs on this daemon whose owner process on this host is gone, as (run, owner pid, bytes): the
+    containers' writable layers plus the run's images (an image's layers it shares with another count too)."""
+    owners: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for item in await docker.containers.list(all=True, size="true", filters={"label": [RUN_LABEL]}):
+        labels = item["Labels"] or {}
+        owners[labels[RUN_LABEL]] = labels.get(OWNER_LABEL, "")
+        written = item["SizeRw"] if "SizeRw" in item else 0  # noqa: SIM401 - a DockerContainer has no .get; 0 is omitted
+        sizes[labels[RUN_LABEL]] = sizes.get(labels[RUN_LABEL], 0) + written
+    for image in await docker.images.list(all=True, filters={"label": [RUN_LABEL]}):
+        labels = image.get("Labels") or {}
+        owners[labels[RUN_LABEL]] = labels.get(OWNER_LABEL, "")
+        sizes[labels[RUN_LABEL]] = sizes.get(labels[RUN_LABEL], 0) + (image.get("Size") or 0)
+    for network in await docker.networks.list(filters={"label": [RUN_LABEL]}):
+        labels = network.get("Labels") or {}
+        owners[labels[RUN_LABEL]] = labels.get(OWNER_LABEL, "")
+    return [(run, owner.split(" ")[1], sizes.get(run, 0)) for run, owner in owners.items() if _owner_gone(owner)]
 
 
 async def reap_dead_runs(docker: aiodocker.Docker) -> int:
     """Remove the runs on this daemon whose owner process on this host is gone; returns how many."""
-    owners: dict[str, str] = {}
-    for item in await docker.containers.list(all=True, filters={"label": [RUN_LABEL]}):
-        labels = item["Labels"] or {}
-        owners[labels[RUN_LABEL]] = labels.get(OWNER_LABEL, "")
-    for image in await docker.images.list(all=True, filters={"label": [RUN_LABEL]}):
-        labels = image.get("Labels") or {}
-        owners[labels[RUN_LABEL]] = labels.get(OWNER_LABEL, "")
-    for network in await docker.networks.list(filters={"label": [RUN_LABEL]}):
-        labels = network.get("Labels") or {}
-        owners[labels[RUN_LABEL]] = labels.get(OWNER_LABEL, "")
-    dead = [run for run, owner in owners.items() if _owner_gone(owner)]
-    for run in dead:
+    dead = await dead_runs(docker)
+    for run, _, _ in dead:
         await remove_run(docker, run)
     return len(dead)
 

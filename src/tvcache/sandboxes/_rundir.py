@@ -2,8 +2,9 @@
 
 Every `WorkspaceSandboxes` keeps all it creates under `<tmp>/tvcache-workspace/run-<pid>-<token>/`, whose
 `owner` file records the creating process's pid and start time and whose `cgroups` file lists its cgroup
-directories. Each new factory first reaps the run dirs whose owner is gone (pid dead or reused): it detaches
-every mount below them, removes them and their cgroups. Mounts made through a user-namespace helper vanish
+directories. Each new factory first reaps the run dirs whose owner is gone (pid dead or reused; through
+`reclaim.reclaim_dead`, with the rest of dead processes' scratch in `tmp`): it detaches every mount below them,
+removes them and their cgroups. Mounts made through a user-namespace helper vanish
 with the helper, so only files remain there.
 """
 
@@ -16,22 +17,12 @@ import shutil
 import time
 from pathlib import Path
 
-from . import _syscalls as sc
 from ._cgroups import remove_tree
+from .reclaim import detach_all, mounts_below, process_start_time, reclaim_dead
 
-__all__ = ["RunDir", "mounts_below", "process_start_time", "reap_stale"]
+__all__ = ["RunDir", "mounts_below", "process_start_time", "reap", "stale_run_dirs"]
 
 ROOT_NAME = "tvcache-workspace"
-
-
-def process_start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # Field 22 (starttime) counts from after the ")" closing the command name, which may contain spaces.
-    return data[data.rindex(b")") + 2 :].split()[19].decode()
 
 
 def _owner_alive(run_dir: Path) -> bool:
@@ -47,44 +38,26 @@ def _owner_alive(run_dir: Path) -> bool:
     return process_start_time(int(pid_text)) == start
 
 
-def mounts_below(path: Path) -> list[str]:
-    """The mount points at or below `path`, deepest first."""
-    prefix = str(path).rstrip("/") + "/"
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            target = line.split()[4].encode().decode("unicode_escape")
-            if target == str(path) or target.startswith(prefix):
-                found.append(target)
-    return sorted(found, key=len, reverse=True)
-
-
-def _detach_all(path: Path) -> None:
-    for target in mounts_below(path):
-        with contextlib.suppress(OSError):
-            sc.umount(target, sc.MNT_DETACH)
-
-
-def reap_stale(tmp: Path) -> int:
-    """Remove the run dirs under `tmp` whose owner process is gone; returns how many were reaped."""
+def stale_run_dirs(tmp: Path) -> list[Path]:
+    """The run dirs under `tmp` whose owner process is gone."""
     root = tmp / ROOT_NAME
-    reaped = 0
     if not root.is_dir():
-        return 0
-    for run_dir in root.iterdir():
-        if not run_dir.name.startswith("run-") or _owner_alive(run_dir):
-            continue
-        with contextlib.suppress(OSError):
-            _detach_all(run_dir)
+        return []
+    return [d for d in root.iterdir() if d.name.startswith("run-") and not _owner_alive(d)]
+
+
+def reap(run_dir: Path) -> None:
+    """Detach every mount below a run dir, remove its cgroups and the dir."""
+    try:
+        detach_all(run_dir)
+    finally:
         _remove_cgroups(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
-        reaped += 1
-    return reaped
 
 
 class RunDir:
     def __init__(self, tmp: Path):
-        reap_stale(tmp)
+        reclaim_dead(tmp)  # dead processes' run dirs, and any other scratch of theirs here
         root = tmp / ROOT_NAME
         root.mkdir(mode=0o700, exist_ok=True)
         self.name = f"run-{os.getpid()}-{secrets.token_hex(4)}"
@@ -98,11 +71,7 @@ class RunDir:
         (self.path / "cgroups").write_text("".join(f"{d}\n" for d in dirs))
 
     def remove(self) -> None:
-        try:
-            _detach_all(self.path)
-        finally:
-            _remove_cgroups(self.path)
-            shutil.rmtree(self.path, ignore_errors=True)
+        reap(self.path)
 
 
 def _remove_cgroups(run_dir: Path) -> None:

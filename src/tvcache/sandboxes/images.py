@@ -35,13 +35,13 @@ import shutil
 import stat
 import subprocess
 import tarfile
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from .base import SandboxError
+from .reclaim import scratch, scratch_dir
 
 if TYPE_CHECKING:
     from .workspace import WorkspaceSandboxes
@@ -111,7 +111,7 @@ def unpack_layer(source: IO[bytes], diff_id: str, cache: Path | None = None) -> 
     if dest.is_dir():
         return dest
     cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".unpack-", dir=cache))
+    work = scratch_dir("unpack", cache)
     try:
         tree = work / "layer"
         tree.mkdir()
@@ -242,7 +242,7 @@ async def _from_daemon(image: str, docker_url: str | None) -> ImageRoot:
         if dirs is not None:
             return ImageRoot(dirs, env, cwd, user, info["Id"])
         # No layer directories here: stream `docker save` to a file and unpack its layers.
-        with tempfile.TemporaryDirectory(prefix="tvcache-save-", dir="/var/tmp") as tmp:
+        with scratch("image-save", "/var/tmp") as tmp:
             archive = Path(tmp) / "image.tar"
             out = await asyncio.to_thread(open, archive, "wb")
             try:

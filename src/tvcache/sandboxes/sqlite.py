@@ -58,6 +58,7 @@ from urllib.parse import quote
 from ..calls import ToolCall
 from .base import Outcome, SandboxError
 from .lifecycle import ManagedSandbox, ManagedSandboxes
+from .reclaim import scratch_dir
 
 __all__ = ["MAX_OUTPUT_CHARS", "TRUNCATED_ROWS", "TRUNCATION_NOTE", "SQLiteSandbox", "SQLiteSandboxes"]
 
@@ -215,7 +216,8 @@ class SQLiteSandboxes(ManagedSandboxes["SQLiteSandbox", _Snapshot]):
     `db_path` is only read, once, here: it is copied (with SQLite's backup API, so a WAL database is read
     consistently) into a private directory under `tmp` (default /dev/shm). `timeout` bounds each query in
     seconds. Close the factory (`await boxes.close()`, or `async with`) to remove that directory; a factory
-    that is garbage collected or still open at exit removes it too.
+    that is garbage collected or still open at exit removes it too, and the next factory in the same `tmp`
+    removes those of processes that were killed (the directory names its owner: see `reclaim`).
     """
 
     kind = "sqlite"
@@ -230,7 +232,7 @@ class SQLiteSandboxes(ManagedSandboxes["SQLiteSandbox", _Snapshot]):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         super().__init__()
         self._timeout = float(timeout)
-        self._root = Path(tempfile.mkdtemp(prefix=f"tvcache-sqlite-{os.getpid()}-", dir=_tmp_parent(tmp)))
+        self._root = scratch_dir("sqlite", _tmp_parent(tmp))  # reclaims the copies of killed processes first
         self._cleanup_with(shutil.rmtree, self._root, True)
         (self._root / "boxes").mkdir()
         (self._root / "snapshots").mkdir()
@@ -254,7 +256,7 @@ class SQLiteSandboxes(ManagedSandboxes["SQLiteSandbox", _Snapshot]):
         in `asyncio.to_thread`.
         """
         text = _read_script(sql)
-        build = Path(tempfile.mkdtemp(prefix=f"tvcache-sqlite-build-{os.getpid()}-", dir=_tmp_parent(tmp)))
+        build = scratch_dir("sqlite-build", _tmp_parent(tmp))
         try:
             path = build / "db.sqlite"
             conn = sqlite3.connect(path, isolation_level=None)

@@ -6,6 +6,7 @@ tvcache sandbox-server --sandbox workspace --base /srv/tasks/repo --host 10.0.0.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from .factories import KINDS
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     for option in ("timeout", "lease", "max_sandboxes", "max_snapshots"):
         if getattr(args, option) is not None:
             limits[option] = getattr(args, option)
+    _reclaim_predecessors(docker=args.sandbox == "docker")
     try:
         factory = open_sandboxes(args.sandbox, base=args.base, image=args.image, timeout=args.timeout)
         serve_sandboxes(
@@ -63,3 +65,24 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, SandboxError) as exc:  # a bad kind, path, image or limit: no traceback
         raise SystemExit(f"tvcache sandbox-server: {exc}") from None
     return 0
+
+
+def _reclaim_predecessors(*, docker: bool) -> None:
+    """Before serving, remove what dead tvcache processes left here, a killed predecessor's sandboxes and
+    snapshots among them (its scratch and run dirs on disk; its containers and snapshot images on Docker)."""
+    from ..sandboxes import reclaim
+
+    found = reclaim.leftovers(reclaim.scratch_parents())
+    if docker:
+        try:
+            found += reclaim.docker_leftovers()
+        except Exception as exc:  # the factory will say what is wrong with Docker; serving may not start at all
+            print(f"tvcache sandbox-server: could not look for dead runs on Docker: {exc}", file=sys.stderr)
+    for item in found:
+        item.reclaim()
+    if found:
+        print(
+            f"tvcache sandbox-server: reclaimed {len(found)} thing(s) dead processes left "
+            f"({sum(i.size for i in found) >> 20} MiB): {', '.join(i.where for i in found)}",
+            file=sys.stderr,
+        )

@@ -20,7 +20,6 @@ import asyncio
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -33,6 +32,7 @@ from tvcache.calls import ToolCall
 from tvcache.sandboxes._docker_pipeline import Pipeline
 from tvcache.sandboxes.docker import CREATE_CONCURRENCY, DockerSandboxes, build_image
 from tvcache.sandboxes.images import workspace_from_image
+from tvcache.sandboxes.reclaim import scratch_dir
 
 from ..docker_setup import DockerUnavailable, debian_base
 
@@ -49,7 +49,7 @@ RUN mkdir -p /opt/bulk && for i in $(seq 0 {FILES - 1}); do \\
 
 
 def _context() -> Path:
-    context = Path(tempfile.mkdtemp(prefix="tvcache-bench-docker-"))
+    context = scratch_dir("bench-docker")
     (context / "Dockerfile").write_text(DOCKERFILE.format(base=debian_base()))
     return context
 

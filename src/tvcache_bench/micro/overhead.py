@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from rich.table import Table
 from tvcache.cache import ToolCache
 from tvcache.calls import ToolCall
 from tvcache.sandboxes.base import Outcome
+from tvcache.sandboxes.reclaim import scratch
 
 __all__ = ["run"]
 
@@ -83,7 +83,7 @@ async def _measure(url: str | None, calls: int) -> dict[str, dict[str, float]]:
 def run(calls: int = 20000, console: Console | None = None) -> dict[str, Any]:
     console = console or Console()
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
+    with scratch("bench-overhead", "/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
         for name, url in [("memory", None), ("sqlite", f"sqlite:///{tmp}/bench.db")]:
             results[name] = asyncio.run(_measure(url, calls))
     table = Table(title=f"Cache overhead per call ({calls:,} calls each, tool time excluded)")

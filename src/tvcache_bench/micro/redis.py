@@ -20,7 +20,6 @@ import shutil
 import socket
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -30,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tvcache.graph import EDGE, Entry, Scope, encode_output
+from tvcache.sandboxes.reclaim import scratch
 from tvcache.stores.redis import RedisStore
 
 from .procs import free_port
@@ -47,7 +47,7 @@ def throwaway_server() -> Iterator[str]:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server), or pass a Redis URL")
     port = free_port()
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
-    with tempfile.TemporaryDirectory(prefix="tvcache-redis-", dir=shm) as workdir:
+    with scratch("bench-redis", shm) as workdir:
         proc = subprocess.Popen(
             [
                 "redis-server",
@@ -63,7 +63,7 @@ def throwaway_server() -> Iterator[str]:
                 "--appendfsync",
                 "everysec",
                 "--dir",
-                workdir,
+                str(workdir),
             ],
             stdout=subprocess.DEVNULL,
         )

@@ -25,7 +25,6 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Awaitable, Iterator
@@ -34,6 +33,8 @@ from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.table import Table
+
+from tvcache.sandboxes.reclaim import scratch_dir
 
 from .procs import free_port, pin
 
@@ -255,7 +256,7 @@ def run(console: Console | None = None, rounds: int = ROUNDS) -> dict[str, Any]:
     console = console or Console()
     token = secrets.token_hex(16)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    scratch = Path(tempfile.mkdtemp(prefix="tvcache-bench-remote-", dir=shm))
+    scratch = scratch_dir("bench-remote", shm)
     runs: dict[str, list[dict[str, Any]]] = {}
     try:
         db = scratch / "bench.sqlite"

@@ -20,7 +20,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tvcache.calls import ToolCall
+from tvcache.sandboxes.reclaim import scratch_dir
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
 __all__ = ["DEFAULT_BASE", "main", "make_base", "print_table", "run"]
@@ -140,7 +140,7 @@ async def run(base: str | None = None, *, repeats: int = REPEATS, copy_repeats: 
         mode = boxes.mode
 
         def copy_once() -> float:
-            dest = Path(tempfile.mkdtemp(prefix="tvcache-bench-cp-", dir=tmp))
+            dest = scratch_dir("bench-cp", tmp)
             try:
                 start = time.perf_counter()
                 subprocess.run(["cp", "-a", "--", f"{base_path}/.", str(dest)], check=True)

@@ -52,7 +52,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
@@ -62,6 +61,7 @@ from typing import Any
 
 from tvcache.calls import ToolCall, Tools
 from tvcache.sandboxes.base import Outcome, Sandbox, Sandboxes
+from tvcache.sandboxes.reclaim import scratch_dir
 
 from ..data import workload_path
 from ..traces import read_traces, task_order
@@ -236,7 +236,7 @@ def build_base(project: str, wanted: str, *, root: str | Path | None = None, log
         known = _known(folder, project, wanted)
         if known is not None:
             return known
-        scratch = Path(tempfile.mkdtemp(prefix=f".download-{project}-", dir=folder))
+        scratch = scratch_dir("swe-download", folder)
         try:
             version, archive = _download(project, wanted, scratch, say)
             base = Base(project, version, folder / f"{project}-{version}")
@@ -351,7 +351,7 @@ def _download(project: str, wanted: str, dest: Path, say: Log) -> tuple[str, Pat
 
 def _unpack(archive: Path, testbed: Path) -> None:
     """Extract the sdist's single top-level directory as `testbed`."""
-    scratch = Path(tempfile.mkdtemp(dir=testbed.parent))
+    scratch = scratch_dir("swe-unpack", testbed.parent)
     try:
         if archive.name.endswith(".zip"):
             with zipfile.ZipFile(archive) as z:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tvcache.calls import ToolCall
+from tvcache.sandboxes.reclaim import scratch
 from tvcache.sandboxes.sqlite import SQLiteSandboxes
 
 from .env import BackgroundLoop, Reward, SQLEnvironment, StepTally
@@ -114,9 +114,9 @@ def train(
         factory = cached_environment(plain, lambda row: databases[row["database"]], cache=cache)
     reward = Reward(cached=cache is not None)
     tokenizer = load_tokenizer()
-    with tempfile.TemporaryDirectory(prefix="tvcache-grpo-") as scratch:
+    with scratch("grpo") as folder:
         config = GRPOConfig(
-            output_dir=scratch,
+            output_dir=str(folder),
             use_cpu=True,
             seed=seed,
             max_steps=steps,

@@ -28,11 +28,11 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from tvcache.extras import MissingExtra
+from tvcache.sandboxes.reclaim import scratch_dir
 
 __all__ = [
     "DISTRIBUTION",
@@ -168,7 +168,7 @@ def _convert(target: Path) -> None:
 
     gguf = gguf_file()
     target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    work = scratch_dir("model-convert", target.parent)
     try:
         tokenizer = _build_tokenizer(gguf)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

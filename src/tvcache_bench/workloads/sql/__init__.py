@@ -46,7 +46,6 @@ import json
 import random
 import shutil
 import sqlite3
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ from urllib.parse import quote as url_quote
 
 from tvcache.calls import Tools
 from tvcache.sandboxes.base import Sandboxes
+from tvcache.sandboxes.reclaim import scratch_dir
 
 from ...data import workloads_dir
 from ...traces import Trace, TraceCall
@@ -402,7 +402,7 @@ class _Databases:
         if database == "chinook":
             return self.root / "chinook" / "chinook.sqlite"
         if database == "northwind":
-            folder = Path(tempfile.mkdtemp(prefix="tvcache-northwind-", dir=_scratch_parent(self.tmp)))
+            folder = scratch_dir("northwind", _scratch_parent(self.tmp))
             self.scratch.append(folder)
             path = folder / "northwind.sqlite"
             conn = sqlite3.connect(path)

@@ -24,12 +24,13 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
+
+from tvcache.sandboxes.reclaim import scratch_dir
 
 __all__ = [
     "DEFAULT_QUERIES",
@@ -140,7 +141,7 @@ def ensure_database(
         )
     say = log or (lambda message: None)
     target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="tvcache-tpch-", dir=_scratch_parent(tmp)))
+    scratch = scratch_dir("tpch", _scratch_parent(tmp))
     try:
         started = time.monotonic()
         say(f"generating TPC-H data at scale factor {sf:g} with {exe}")

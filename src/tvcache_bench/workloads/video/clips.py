@@ -22,7 +22,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import cv2
 from cv2.typing import MatLike
 
 from tvcache.extras import MissingExtra, install_command
+from tvcache.sandboxes.reclaim import scratch_dir
 
 __all__ = [
     "FPS",
@@ -193,7 +193,7 @@ def build(specs: Sequence[VideoSpec], root: Path | None = None) -> Catalogue:
     manifest = directory / "catalogue.json"
     if not manifest.is_file():
         directory.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".building-", dir=directory.parent))
+        scratch = scratch_dir("video-build", directory.parent)
         try:
             clips = {s.name: _decode(source_path(s.name)) for s in SOURCES}
             info = {spec.name: _write(spec, clips, scratch / f"{spec.name}.mp4") for spec in specs}

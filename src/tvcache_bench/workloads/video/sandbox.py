@@ -30,7 +30,6 @@ import hashlib
 import shlex
 import shutil
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import cv2
 
 from tvcache.calls import ToolCall
 from tvcache.sandboxes.base import Outcome, SandboxError
+from tvcache.sandboxes.reclaim import scratch_dir
 from tvcache.sandboxes.workspace import WorkspaceSandbox, WorkspaceSandboxes
 
 from . import analysis, features
@@ -57,7 +57,7 @@ class VideoSandboxes:
 
     def __init__(self, catalogue: Catalogue, *, timeout: float = 600.0, tmp: str | None = None):
         self.catalogue = catalogue
-        self._scratch = Path(tempfile.mkdtemp(prefix="tvcache-video-", dir=tmp))
+        self._scratch = scratch_dir("video", tmp)
         try:
             folder, runner = self._scratch / "folder", self._scratch / "runner"
             folder.mkdir()

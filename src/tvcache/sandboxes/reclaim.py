@@ -1,0 +1,252 @@
+"""Everything tvcache leaves on a machine names its owner, and what a dead owner left is reclaimed.
+
+A training job dies by `kill -9`, OOM or preemption without closing anything, so nothing it made may depend on
+a clean exit to go away. An owner is a process, named by its pid and its start time (field 22 of
+/proc/<pid>/stat, clock ticks since boot): a pid the kernel has since given to another process does not pass
+for the owner. What names it:
+
+- scratch, a directory made by `scratch_dir(kind, parent)`, is called `tvcache-<kind>-<pid>-<start>-<token>`
+  from the moment it exists (no window where a crash leaves it unnamed). Mounts below it are detached when it
+  is reclaimed (a debootstrap root mounts /proc);
+- a `WorkspaceSandboxes` run dir, `<tmp>/tvcache-workspace/run-<pid>-<token>/`, holds an `owner` file, its
+  mounts and the list of its cgroups (see `_rundir`);
+- Docker containers, images and networks carry the labels `tvcache.run` and `tvcache.owner` (see `_docker_run`).
+
+Whatever makes scratch or a run dir first reclaims everything of dead owners in the same parent (`reclaim_dead`:
+`scratch_dir` and `RunDir` call it), so the next factory working where a killed one worked leaves nothing of it;
+`tvcache gc` lists and reclaims everything in every usual place (`leftovers(scratch_parents())`, and
+`docker_leftovers`), and a sandbox server does so when it starts. Nothing of a live owner is ever touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import re
+import secrets
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import _syscalls as sc
+
+__all__ = [
+    "Leftover",
+    "die_with_parent",
+    "docker_leftovers",
+    "leftovers",
+    "mounts_below",
+    "owner_alive",
+    "process_start_time",
+    "reclaim_dead",
+    "scratch",
+    "scratch_dir",
+    "scratch_parents",
+]
+
+#: `tvcache-<kind>-<pid>-<start>-<token>`; a kind is words of letters joined by hyphens, so it never swallows
+#: the numbers after it.
+_NAME = re.compile(r"^tvcache-(?P<kind>[a-z]+(?:-[a-z]+)*)-(?P<pid>\d+)-(?P<start>\d+)-(?P<token>[0-9a-f]{8})$")
+#: SQLite scratch from before owners were named by start time (`mkdtemp(prefix="tvcache-sqlite-<pid>-")`): its
+#: owner is gone only when no process has that pid at all.
+_OLD_SQLITE = re.compile(r"^tvcache-sqlite-(?:build-)?(?P<pid>\d+)-[a-z0-9_]{8}$")
+
+
+def process_start_time(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot), or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # Field 22 (starttime) counts from after the ")" closing the command name, which may contain spaces.
+    return data[data.rindex(b")") + 2 :].split()[19].decode()
+
+
+def owner_alive(pid: int, start: str) -> bool:
+    """Whether the process that started at `start` with pid `pid` still runs (not a later one with its pid)."""
+    return process_start_time(pid) == start
+
+
+def owner_name(pid: int | None = None) -> str:
+    """`<pid>-<start>` of this process (or of `pid`)."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}-{process_start_time(pid)}"
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn` for a helper that works in scratch (debootstrap, tar): the kernel kills it when the thread
+    that started it dies, so a killed owner leaves no helper writing into what the next factory reclaims."""
+    PR_SET_PDEATHSIG = 1
+    if sc._libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+# -- scratch ----------------------------------------------------------------------------------------------
+
+
+def scratch_dir(kind: str, parent: str | os.PathLike[str] | None = None) -> Path:
+    """A new private directory `<parent>/tvcache-<kind>-<pid>-<start>-<token>` (parent: the system's temp dir),
+    after reclaiming what dead owners left in `parent`. Removing it is the caller's job."""
+    if not re.fullmatch(r"[a-z]+(?:-[a-z]+)*", kind):
+        raise ValueError(f"a scratch kind is words of lowercase letters joined by '-', got {kind!r}")
+    where = Path(parent if parent is not None else tempfile.gettempdir())
+    reclaim_dead(where)
+    path = where / f"tvcache-{kind}-{owner_name()}-{secrets.token_hex(4)}"
+    path.mkdir(mode=0o700)
+    return path
+
+
+@contextlib.contextmanager
+def scratch(kind: str, parent: str | os.PathLike[str] | None = None) -> Iterator[Path]:
+    """`scratch_dir` for the length of a `with` block (like `tempfile.TemporaryDirectory`)."""
+    path = scratch_dir(kind, parent)
+    try:
+        yield path
+    finally:
+        remove(path)
+
+
+def reclaim_dead(parent: str | os.PathLike[str]) -> list[Leftover]:
+    """Remove everything in `parent` whose owner is gone (scratch of every kind, workspace run dirs with their
+    mounts and cgroups); returns what went."""
+    found = leftovers([Path(parent)], sized=False)
+    for item in found:
+        item.reclaim()
+    return found
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """One thing a dead owner left: where it is, what made it, how many bytes it holds, how to remove it."""
+
+    where: str
+    kind: str
+    owner: str
+    size: int
+    _remove: Callable[[], object] = field(repr=False, compare=False)
+
+    def reclaim(self) -> None:
+        self._remove()
+
+
+def scratch_parents(extra: Iterable[str | os.PathLike[str]] = ()) -> list[Path]:
+    """Where tvcache makes scratch by default: /dev/shm, the system's temp dir, /var/tmp and tvcache's cache
+    (`~/.cache/tvcache`, whose builders unpack and download beside what they build), plus `extra`."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tvcache"
+    roots = [Path("/dev/shm"), Path(tempfile.gettempdir()), Path("/var/tmp"), *map(Path, extra), cache]
+    found: list[Path] = []
+    for path in [*roots, *_subdirs(cache)]:  # the cache's builders work beside what they build (layers/, video/)
+        with contextlib.suppress(OSError):
+            path = path.resolve()
+            if path.is_dir() and path not in found:
+                found.append(path)
+    return found
+
+
+def _subdirs(path: Path) -> list[Path]:
+    try:
+        return [p for p in path.iterdir() if p.is_dir() and not p.is_symlink() and not _NAME.match(p.name)]
+    except OSError:
+        return []
+
+
+def leftovers(parents: Iterable[Path], *, sized: bool = True) -> list[Leftover]:
+    """What dead owners left in `parents`: scratch, and workspace run dirs (`<parent>/tvcache-workspace/run-*`)
+    with the mounts and cgroups they hold. `sized`: measure each (a walk of the tree)."""
+    from ._rundir import reap, stale_run_dirs
+
+    found = []
+    for parent in parents:
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            continue
+        for name in names:
+            owner = _dead_owner(name)
+            if owner is not None:
+                path = parent / name
+                found.append(Leftover(str(path), *owner, du(path) if sized else 0, functools.partial(remove, path)))
+        for run_dir in stale_run_dirs(parent):
+            pid = run_dir.name.split("-")[1]
+            size = du(run_dir) if sized else 0
+            found.append(Leftover(str(run_dir), "workspace", pid, size, functools.partial(reap, run_dir)))
+    return found
+
+
+def _dead_owner(name: str) -> tuple[str, str] | None:
+    """(kind, owner pid) if `name` is scratch whose owner is gone, else None."""
+    m = _NAME.match(name)
+    if m is not None:
+        return None if owner_alive(int(m["pid"]), m["start"]) else (m["kind"], m["pid"])
+    m = _OLD_SQLITE.match(name)
+    if m is not None and not os.path.exists(f"/proc/{m['pid']}"):
+        return "sqlite", m["pid"]
+    return None
+
+
+def docker_leftovers(url: str | None = None) -> list[Leftover]:
+    """The runs of `DockerSandboxes` on the daemon at `url` (default: $DOCKER_HOST or the local socket) whose
+    owner on this host is gone. Raises what the client raises when no daemon answers."""
+    from ._docker_run import dead_runs, remove_run
+    from .docker import _blocking
+
+    def reclaimer(run: str) -> Callable[[], object]:
+        return lambda: _blocking(lambda docker: remove_run(docker, run), url)
+
+    return [
+        Leftover(f"docker run {run} (containers, images, networks)", "docker", pid, size, reclaimer(run))
+        for run, pid, size in _blocking(dead_runs, url)
+    ]
+
+
+def remove(path: Path) -> None:
+    """Detach the mounts at or below `path`, then remove it (a file or a tree); what is already gone is fine."""
+    detach_all(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def detach_all(path: Path) -> None:
+    """Detach every mount at or below `path` (lazily: one still in use goes once it is not)."""
+    with contextlib.suppress(OSError):
+        for target in mounts_below(path):
+            with contextlib.suppress(OSError):
+                sc.umount(target, sc.MNT_DETACH)
+
+
+def mounts_below(path: Path) -> list[str]:
+    """The mount points at or below `path`, deepest first."""
+    prefix = str(path).rstrip("/") + "/"
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            target = line.split()[4].encode().decode("unicode_escape")
+            if target == str(path) or target.startswith(prefix):
+                found.append(target)
+    return sorted(found, key=len, reverse=True)
+
+
+def du(path: Path) -> int:
+    """Bytes `path` occupies (allocated blocks; one file system; what vanishes meanwhile counts 0)."""
+    try:
+        top = os.lstat(path)
+    except OSError:
+        return 0
+    total = top.st_blocks * 512
+    for folder, dirs, files in os.walk(path):
+        for name in dirs + files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(folder, name))
+                if st.st_dev == top.st_dev:
+                    total += st.st_blocks * 512
+        dirs[:] = [d for d in dirs if not os.path.ismount(os.path.join(folder, d))]
+    return total

@@ -1,0 +1,485 @@
+"""Nothing left behind: a process killed with SIGKILL at any point of create, snapshot, restore or close leaves
+nothing that the next factory of the same kind (or `tvcache gc`) does not reclaim, and a live process's things
+are never touched.
+
+Each test runs a real child (reclaim_child.py) that prints each step before it takes it; the test kills it at a
+step chosen per case, after a random delay (so the kill lands inside the step as often as between steps). What
+the child owned is found by its pid in the names tvcache gives things (`tvcache-<kind>-<pid>-<start>-<token>`,
+`run-<pid>-<token>`, the `tvcache.owner` label), in mounts and in cgroups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tvcache import ToolCall
+from tvcache.sandboxes import reclaim
+from tvcache.sandboxes.sqlite import SQLiteSandboxes
+from tvcache.sandboxes.workspace import WorkspaceSandboxes
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+POINTS = ("create", "snapshot", "restore", "close", "idle")
+RNG = random.Random(os.environ.get("TVCACHE_TEST_SEED", "reclaim"))
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{HERE}"}
+
+
+class Child:
+    """reclaim_child.py running `kind`; `kill_at(point)` SIGKILLs it once it announces `point` (plus up to
+    `jitter` seconds, so the kill may land inside the step)."""
+
+    def __init__(self, kind: str, *args: str | Path, extra_env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "reclaim_child.py"), kind, *map(str, args)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**env(), **(extra_env or {})},
+        )
+        self.pid = self.proc.pid
+        self.seen: list[str] = []
+
+    def wait_for(self, point: str) -> None:
+        assert self.proc.stdout is not None
+        while point not in self.seen:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"the child exited ({self.proc.wait()}) before {point!r}; it said {self.seen}")
+            self.seen.append(line.strip())
+
+    def kill_at(self, point: str, jitter: float = 0.05) -> None:
+        self.wait_for(point)
+        time.sleep(RNG.uniform(0, jitter))
+        self.kill()
+
+    def kill_once_it_holds(self, point: str, *parents: Path, jitter: float = 0.05) -> None:
+        """Kill at `point`, once something of the child's exists in `parents` (a step that makes its scratch
+        only some way in)."""
+        self.kill_once(point, lambda: bool(owned_by(self.pid, *parents)), jitter)
+
+    def kill_once(self, point: str, holds: Callable[[], bool], jitter: float = 0.05) -> None:
+        """Kill at `point`, once `holds()`."""
+        self.wait_for(point)
+        deadline = time.monotonic() + 30
+        while not holds() and time.monotonic() < deadline and self.proc.poll() is None:
+            time.sleep(0.005)
+        time.sleep(RNG.uniform(0, jitter))
+        self.kill()
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+def owned_by(pid: int, *parents: Path) -> list[str]:
+    """Everything in `parents` (and their workspace run dirs), in the mount table and in the cgroup trees whose
+    name says `pid` made it."""
+    found = []
+    marks = (f"-{pid}-", f"run-{pid}-")
+    for parent in parents:
+        for folder in (parent, parent / "tvcache-workspace"):
+            if folder.is_dir():
+                found += [str(p) for p in folder.iterdir() if any(m in p.name for m in marks)]
+    with open("/proc/self/mountinfo") as f:
+        found += [line.split()[4] for line in f if any(m in line.split()[4] for m in marks)]
+    for root, dirs, _ in os.walk("/sys/fs/cgroup"):
+        found += [os.path.join(root, d) for d in dirs if d.startswith(f"run-{pid}-")]
+        if root.count("/") > 6:
+            dirs[:] = []
+    return found
+
+
+@pytest.fixture(name="tmp")
+def tmp_fixture() -> Iterator[Path]:
+    """A private directory on tmpfs (overlay upper dirs need one) for the factories' scratch."""
+    path = reclaim.scratch_dir("test-reclaim", "/dev/shm")
+    try:
+        yield path
+    finally:
+        for sub in (path / "tvcache-workspace").glob("run-*"):
+            reclaim.detach_all(sub)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(name="db")
+def db_fixture(tmp: Path) -> Path:
+    path = tmp / "source.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript("CREATE TABLE items (name TEXT); INSERT INTO items VALUES ('a'), ('b');")
+    conn.close()
+    return path
+
+
+@pytest.fixture(name="base")
+def base_fixture(tmp: Path) -> Path:
+    path = tmp / "base"
+    path.mkdir()
+    (path / "README").write_text("the base\n")
+    return path
+
+
+def sql(query: str) -> ToolCall:
+    return ToolCall("sql", {"query": query})
+
+
+# -- SQLite --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_sqlite_the_next_factory_reclaims_a_killed_processs_copies(point: str, tmp: Path, db: Path) -> None:
+    async def go() -> None:
+        async with SQLiteSandboxes(db, tmp=tmp) as live:  # this process's: must survive the reaping
+            box = await live.create()
+            await box.execute(sql("INSERT INTO items VALUES ('live')"))
+            child = Child("sqlite", db, tmp)
+            child.kill_at(point)
+            assert owned_by(child.pid, tmp), "the killed child left nothing: the test would prove nothing"
+            async with SQLiteSandboxes(db, tmp=tmp):
+                assert owned_by(child.pid, tmp) == []
+            assert live.directory.is_dir()
+            assert (await box.execute(sql("SELECT count(*) AS n FROM items"))).output.split() == ["n", "3"]
+
+    asyncio.run(go())
+
+
+def test_a_reused_pid_does_not_pass_for_the_owner(tmp: Path, db: Path) -> None:
+    """The owner is the pid and its start time: this process's pid with another start time is a dead owner,
+    whatever made it (scratch of another kind, a workspace run dir)."""
+    me, start = os.getpid(), reclaim.process_start_time(os.getpid())
+    assert start is not None
+    dead = tmp / f"tvcache-sqlite-{me}-{int(start) - 1}-0123abcd"
+    alive = tmp / f"tvcache-sqlite-{me}-{start}-4567abcd"
+    other_kind = tmp / f"tvcache-video-{me}-{int(start) - 1}-89abcdef"
+    run_dir = tmp / "tvcache-workspace" / f"run-{me}-0123abcd"
+    live_run_dir = tmp / "tvcache-workspace" / f"run-{me}-4567abcd"
+    for path in (dead, alive, other_kind, run_dir, live_run_dir):
+        path.mkdir(parents=True)
+        (path / "base.sqlite").write_bytes(b"x" * 10_000)
+    (run_dir / "owner").write_text(f"{me} {int(start) - 1}\n")
+    (live_run_dir / "owner").write_text(f"{me} {start}\n")
+    asyncio.run(SQLiteSandboxes(db, tmp=tmp).close())
+    assert not dead.exists() and not other_kind.exists() and not run_dir.exists()
+    assert alive.is_dir() and live_run_dir.is_dir()
+
+
+# -- workspace ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_workspace_the_next_factory_reclaims_run_dir_mounts_and_cgroups(point: str, tmp: Path, base: Path) -> None:
+    async def go() -> None:
+        async with WorkspaceSandboxes(base, tmp=tmp) as live:
+            box = await live.create()
+            await box.execute(ToolCall("bash", {"command": "echo live > mine"}))
+            child = Child("workspace", base, tmp)
+            child.kill_at(point)
+            assert owned_by(child.pid, tmp)
+            async with WorkspaceSandboxes(base, tmp=tmp):
+                assert owned_by(child.pid, tmp) == []
+            out = await box.execute(ToolCall("bash", {"command": "cat mine README"}))
+            assert out.output["output"] == "live\nthe base\n"  # type: ignore[index]
+
+    asyncio.run(go())
+
+
+# -- tvcache gc ------------------------------------------------------------------------------------------------
+
+
+def test_gc_lists_with_sizes_then_reclaims_only_what_dead_processes_left(tmp: Path, db: Path, base: Path) -> None:
+    live = SQLiteSandboxes(db, tmp=tmp)
+    try:
+        # Both run at once: a factory reclaims what any dead process left in its tmp, so one killed before the
+        # other started would be gone before gc looks.
+        children = [Child("sqlite", db, tmp), Child("workspace", base, tmp)]
+        for child in children:
+            child.wait_for(RNG.choice(POINTS))
+        for child in children:
+            child.kill()
+        killed = [child.pid for child in children]
+        left = {pid: owned_by(pid, tmp) for pid in killed}
+        assert all(left.values())
+
+        def gc(*options: str) -> str:
+            command = [sys.executable, "-m", "tvcache.cli", "gc", "--tmp", str(tmp), "--no-docker", *options]
+            return subprocess.run(command, env=env(), capture_output=True, text=True, check=True).stdout
+
+        listing = gc("--dry-run")
+        for pid, paths in left.items():
+            assert owned_by(pid, tmp) == paths, "--dry-run removed something"
+            for path in paths:
+                if "/sys/fs/cgroup" not in path and path.count("/") <= str(tmp).count("/") + 2:
+                    line = next(line for line in listing.splitlines() if line.endswith(path))
+                    assert f"pid {pid}" in line and line.split()[1] in ("B", "KiB", "MiB")
+        assert str(live.directory) not in listing
+        assert "would reclaim" in listing.splitlines()[-1]
+        gc()
+        for pid in killed:
+            assert owned_by(pid, tmp) == []
+        assert live.directory.is_dir() and (live.directory / "base.sqlite").is_file()
+    finally:
+        asyncio.run(live.close())
+
+
+# -- remote: the sandbox server --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_sandbox_server_reclaims_on_start_what_a_killed_predecessor_held(
+    point: str, tmp: Path, base: Path, db: Path
+) -> None:
+    """A client drives create, snapshot, restore and close through a `tvcache sandbox-server`; the server is
+    killed at `point` (the client's request in flight); the next server on the machine starts clean, before any
+    client asks it anything. The next server serves the other kind (workspace after sqlite, sqlite after
+    workspace), so what goes is what the server reclaims on start, not what its own factory reaps."""
+    from server_helpers import SandboxServer
+    from tvcache.sandboxes.remote import RemoteSandboxes
+
+    kinds = {
+        "workspace": (base, "bash", {"command": "echo one > a"}),
+        "sqlite": (db, "sql", {"query": "CREATE TABLE t (x)"}),
+    }
+    first_kind, second_kind = ("workspace", "sqlite") if POINTS.index(point) % 2 else ("sqlite", "workspace")
+
+    def server(kind: str) -> SandboxServer:
+        return SandboxServer(tmp, ["--sandbox", kind, "--base", str(kinds[kind][0])])
+
+    def call(kind: str) -> ToolCall:
+        return ToolCall(kinds[kind][1], kinds[kind][2])
+
+    async def drive(boxes: RemoteSandboxes, dying: SandboxServer) -> None:
+        async def step(name: str, op: Any) -> Any:
+            if name != point:
+                return await op
+            task = asyncio.ensure_future(op)
+            await asyncio.sleep(RNG.uniform(0, 0.05))
+            dying.kill9()
+            with contextlib.suppress(Exception):
+                await task
+            raise Killed
+
+        box = await step("create", boxes.create())
+        await box.execute(call(first_kind))
+        snapshot = await step("snapshot", box.snapshot())
+        other = await step("restore", boxes.restore(snapshot))
+        await step("close", other.close())
+        await step("idle", asyncio.sleep(0))
+
+    async def go() -> None:
+        first = server(first_kind).start()
+        assert first.proc is not None
+        pid = first.proc.pid
+        boxes = RemoteSandboxes(first.url)
+        try:
+            with contextlib.suppress(Killed):
+                await drive(boxes, first)
+        finally:
+            await boxes.close()
+        assert owned_by(pid, Path("/dev/shm")), "the killed server left nothing: the test would prove nothing"
+        with server(second_kind) as second:
+            assert owned_by(pid, Path("/dev/shm")) == []
+            async with RemoteSandboxes(second.url) as again:
+                box = await again.create()
+                assert not (await box.execute(call(second_kind))).error
+
+    asyncio.run(go())
+
+
+class Killed(Exception):
+    """The server was killed at the chosen point."""
+
+
+# -- the benchmarks' video sandboxes and video builder --------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", ("build", *POINTS))
+def test_video_the_next_build_and_factory_reclaim_a_killed_processs_scratch(point: str, tmp: Path) -> None:
+    from tvcache_bench.workloads.video import clips
+    from tvcache_bench.workloads.video.sandbox import VideoSandboxes
+
+    videos = tmp / "videos"
+    child = Child("video", videos, tmp)
+    child.kill_once_it_holds(point, tmp, videos)
+    assert owned_by(child.pid, tmp, videos)
+    catalogue = clips.build((clips.VideoSpec("alpha", 2, 11, "bunny"),), videos)
+    boxes = VideoSandboxes(catalogue, timeout=60, tmp=str(tmp))
+    try:
+        assert owned_by(child.pid, tmp, videos) == []
+    finally:
+        asyncio.run(boxes.close())
+
+
+# -- image builders: layer unpacking, debootstrap ---------------------------------------------------------------
+
+
+def test_unpacking_a_layer_reclaims_what_a_killed_unpacker_left(tmp: Path) -> None:
+    layer = tmp / "layer.tar"
+    tree = tmp / "tree"
+    tree.mkdir()
+    for n in range(64):
+        (tree / f"file{n}").write_bytes(os.urandom(256 << 10))
+    subprocess.run(["tar", "-C", str(tree), "-cf", str(layer), "."], check=True)
+    cache = tmp / "layers"
+    child = Child("unpack", layer, cache)
+    child.kill_once_it_holds("unpack", cache, jitter=0.1)
+    from tvcache.sandboxes import images
+
+    with open(layer, "rb") as source:
+        unpacked = images.unpack_layer(source, "sha256:" + "0" * 64, cache)
+    assert owned_by(child.pid, cache) == []
+    assert sorted(p.name for p in unpacked.iterdir()) == sorted(p.name for p in tree.iterdir())
+
+
+#: A stand-in for debootstrap, which needs a Debian mirror (no network here): it makes a small root and mounts
+#: /proc in it as debootstrap's second stage does, then works for $STANDIN_SECONDS.
+STANDIN_DEBOOTSTRAP = """#!{python}
+import os, subprocess, sys, time
+root = sys.argv[3]
+for d in ("proc", "etc", "var/cache/apt/archives", "var/lib/apt/lists"):
+    os.makedirs(os.path.join(root, d), exist_ok=True)
+open(os.path.join(root, "etc/os-release"), "w").write("stand-in\\n")
+mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "proc", "proc", root + "/proc"]).returncode == 0
+open(os.environ["STANDIN_PID"], "w").write(str(os.getpid()))
+time.sleep(float(os.environ.get("STANDIN_SECONDS", "0")))
+if mounted:
+    subprocess.run(["umount", root + "/proc"], check=True)
+"""
+
+
+def test_a_debootstrap_build_killed_midway_is_reclaimed_by_the_next(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tvcache_bench import docker_setup
+
+    bin_dir, pid_file = tmp / "bin", tmp / "standin.pid"
+    bin_dir.mkdir()
+    (bin_dir / "debootstrap").write_text(STANDIN_DEBOOTSTRAP.format(python=sys.executable))
+    (bin_dir / "debootstrap").chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    cache = reclaim.scratch_dir("test-reclaim", "/var/tmp")  # where the build goes: the tarball is moved in
+    monkeypatch.setattr(docker_setup, "CACHE", cache / "tvcache")
+    (cache / "tvcache").mkdir()
+    standin = {"PATH": path, "STANDIN_PID": str(pid_file), "XDG_CACHE_HOME": str(cache)}
+    child = Child("debootstrap", extra_env={**standin, "STANDIN_SECONDS": "60"})
+    child.wait_for("build")
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(RNG.uniform(0, 0.05))
+    child.kill()
+    helper = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while reclaim.process_start_time(helper) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reclaim.process_start_time(helper) is None, "debootstrap outlived the process that ran it"
+    left = owned_by(child.pid, Path("/var/tmp"))
+    assert left and (os.geteuid() != 0 or any(p.endswith("/root/proc") for p in left)), left
+    for name, value in {**standin, "STANDIN_SECONDS": "0"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        tarball = docker_setup._rootfs_tarball()
+        assert owned_by(child.pid, Path("/var/tmp")) == []
+        with tarfile.open(tarball) as tar:
+            assert "./etc/os-release" in tar.getnames()
+    finally:
+        shutil.rmtree(cache)
+
+
+# -- Docker ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", name="small_image")
+def small_image_fixture() -> Iterator[str]:
+    """A small real image: this host's bash and rm with their libraries (the Debian base image needs a mirror)."""
+    from tvcache_bench.docker_setup import DockerUnavailable, ensure_daemon
+
+    try:
+        ensure_daemon()
+    except DockerUnavailable as exc:
+        pytest.skip(f"Docker cannot run here: {exc}")
+    tag = f"tvcache-test/reclaim:{os.getpid()}"
+    with reclaim.scratch("test-reclaim-image", "/var/tmp") as root:
+        for binary in ("/bin/bash", "/bin/rm"):
+            libraries = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+            for path in [binary, *(w for w in libraries.split() if w.startswith("/"))]:
+                (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, root / path.lstrip("/"))
+        for empty in ("tmp", "root", "dev", "proc", "etc"):
+            (root / empty).mkdir(exist_ok=True)
+        tar = subprocess.Popen(["tar", "-C", str(root), "-cf", "-", "."], stdout=subprocess.PIPE)
+        subprocess.run(["docker", "import", "-", tag], stdin=tar.stdout, check=True, capture_output=True)
+        assert tar.wait() == 0
+    yield tag
+    subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
+
+
+def docker_owned_by(pid: int) -> list[str]:
+    """The containers, images and networks whose `tvcache.owner` label names `pid` on this host."""
+    found = []
+    listings = {
+        "container": ["docker", "ps", "-aq", "--filter", "label=tvcache.owner"],
+        "image": ["docker", "images", "-aq", "--filter", "label=tvcache.owner"],
+        "network": ["docker", "network", "ls", "-q", "--filter", "label=tvcache.owner"],
+    }
+    for kind, listing in listings.items():
+        ids = subprocess.run(listing, capture_output=True, text=True, check=True).stdout.split()
+        if ids:
+            inspect = ["docker", kind, "inspect", "--format", '{{index .Config.Labels "tvcache.owner"}}', *ids]
+            if kind == "network":
+                inspect[4] = '{{index .Labels "tvcache.owner"}}'
+            owners = subprocess.run(inspect, capture_output=True, text=True).stdout.splitlines()
+            found += [f"{kind} {i}" for i, owner in zip(ids, owners, strict=False) if f" {pid} " in owner]
+    return found
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_docker_the_next_factory_reclaims_a_killed_processs_containers_and_images(point: str, small_image: str) -> None:
+    from tvcache.sandboxes.docker import DockerSandboxes
+
+    async def go() -> None:
+        async with DockerSandboxes(small_image) as live:
+            box = await live.create()
+            await box.execute(ToolCall("bash", {"command": "echo live > mine"}))
+            child = Child("docker", small_image)
+            child.kill_once(point, lambda: bool(docker_owned_by(child.pid)))
+            assert docker_owned_by(child.pid)
+            async with DockerSandboxes(small_image) as after:
+                await (await after.create()).close()
+                assert docker_owned_by(child.pid) == []
+            out = await box.execute(ToolCall("bash", {"command": "echo $(<mine)"}))
+            assert out.output["output"] == "live\n"  # type: ignore[index]
+
+    asyncio.run(go())
+
+
+def test_gc_lists_and_reclaims_a_killed_processs_docker_run(small_image: str) -> None:
+    child = Child("docker", small_image)
+    child.kill_once(RNG.choice(POINTS), lambda: bool(docker_owned_by(child.pid)))
+    left = docker_owned_by(child.pid)
+    assert left
+
+    def gc(*options: str) -> str:
+        command = [sys.executable, "-m", "tvcache.cli", "gc", *options]
+        return subprocess.run(command, env=env(), capture_output=True, text=True, check=True).stdout
+
+    line = next(line for line in gc("--dry-run").splitlines() if "docker" in line and f"pid {child.pid} " in line)
+    assert line.split()[1] in ("B", "KiB", "MiB", "GiB") and "tvcache-" in line
+    assert docker_owned_by(child.pid) == left
+    gc()
+    assert docker_owned_by(child.pid) == []
