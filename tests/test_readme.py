@@ -1,7 +1,8 @@
 """Every code block of the README and of the docs pages runs as written: a newcomer pastes them. A Python block runs
 in a fresh interpreter from the repository's root, with nothing but what the page itself names (an image the page
-says how to build); a YAML block parses, and every `_target_` it names imports. A `text` block (a drawing, an output)
-and a `console` block (a session with its output) are not run; a fence without a language is refused, so that no code block goes unchecked by mistake."""
+says how to build); a YAML block parses, and every `_target_` it names imports. A `text` block (a drawing, an
+output) and a `console` block (a session with its output) are not run; a fence without a language is refused, so
+that no code block goes unchecked by mistake."""
 
 from __future__ import annotations
 
