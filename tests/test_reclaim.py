@@ -426,7 +426,12 @@ def small_image_fixture() -> Iterator[str]:
         subprocess.run(["docker", "import", "-", tag], stdin=tar.stdout, check=True, capture_output=True)
         assert tar.wait() == 0
     yield tag
-    subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
+    # By id, after any container still on it (a forced removal by tag would only untag it).
+    image = subprocess.run(["docker", "image", "inspect", "-f", "{{.Id}}", tag], capture_output=True, text=True)
+    users = subprocess.run(["docker", "ps", "-aq", "--filter", f"ancestor={tag}"], capture_output=True, text=True)
+    if users.stdout.split():
+        subprocess.run(["docker", "rm", "-f", *users.stdout.split()], capture_output=True)
+    subprocess.run(["docker", "rmi", "-f", image.stdout.strip()], capture_output=True)
 
 
 def docker_owned_by(pid: int) -> list[str]:
@@ -483,3 +488,23 @@ def test_gc_lists_and_reclaims_a_killed_processs_docker_run(small_image: str) ->
     assert docker_owned_by(child.pid) == left
     gc()
     assert docker_owned_by(child.pid) == []
+
+
+def test_a_flattened_snapshot_left_alone_by_a_killed_process_is_reclaimed(small_image: str) -> None:
+    """An import carries no labels: the snapshot's tag names the run, and so its owner's pid."""
+    from tvcache.sandboxes.docker import DockerSandboxes
+
+    def flattened(pid: int) -> list[str]:
+        listing = ["docker", "images", "-q", "--filter", f"reference=tvcache-snapshot:tvcache-{pid}-*"]
+        return subprocess.run(listing, capture_output=True, text=True, check=True).stdout.split()
+
+    child = Child("docker-flattened", small_image)
+    child.kill_at("idle", jitter=0)
+    assert flattened(child.pid) and docker_owned_by(child.pid) == []
+
+    async def next_factory() -> None:
+        async with DockerSandboxes(small_image) as after:
+            await (await after.create()).close()
+
+    asyncio.run(next_factory())
+    assert flattened(child.pid) == []
