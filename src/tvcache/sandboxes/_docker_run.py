@@ -57,7 +57,18 @@ async def dead_runs(docker: aiodocker.Docker) -> list[tuple[str, str, int]]:
     for network in await docker.networks.list(filters={"label": [RUN_LABEL]}):
         labels = network.get("Labels") or {}
         owners[labels[RUN_LABEL]] = labels.get(OWNER_LABEL, "")
-    return [(run, owner.split(" ")[1], sizes.get(run, 0)) for run, owner in owners.items() if _owner_gone(owner)]
+    dead = [(run, owner.split(" ")[1], sizes.get(run, 0)) for run, owner in owners.items() if _owner_gone(owner)]
+    # A flattened snapshot (an import: no labels) outlives the rest of its run when the process had closed its
+    # containers and deleted its other snapshots. Its tag names the run, whose name holds the pid but not the
+    # start time: it is dead when no process has that pid at all.
+    for image in await docker.images.list(filters={"reference": [f"{SNAPSHOT_REPO}:*"]}):
+        for tag in image.get("RepoTags") or []:
+            run = tag.partition(":")[2].rpartition("-")[0]
+            pid = run.split("-")[1] if run.count("-") == 2 else ""
+            if run not in owners and pid.isdigit() and process_start_time(int(pid)) is None:
+                owners[run] = ""
+                dead.append((run, pid, image.get("Size") or 0))
+    return dead
 
 
 async def reap_dead_runs(docker: aiodocker.Docker) -> int:
