@@ -2,7 +2,7 @@
 
     python examples/custom_loop.py --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-8B --rollouts 8
 
-The tools are plain methods of a class over tau-bench's airline database (`../shared/workloads/tau-airline`): an
+The tools are plain methods of a class over tau-bench's airline database (shipped with tvcache): an
 instance per sandbox is the state they read and change. `tvcache.ToolFunctions(AirlineDesk)` turns them into
 sandboxes, and its wrappers keep their names, docstrings and signatures (without `self`), from which the loop
 builds the tool schemas the model sees. The model's tool calls go to the rollout as it emitted them
@@ -16,15 +16,15 @@ import argparse
 import asyncio
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import pydantic
 from openai import AsyncOpenAI
 
 import tvcache
+from tvcache_bench.data import workload_path
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads" / "tau-airline"
+DATA = workload_path("tau-airline")  # the data that ships with tvcache, or $TVCACHE_WORKLOADS
 _tables: dict[str, dict[str, Any]] = {}
 
 

@@ -8,7 +8,8 @@ In skyrl-train, the change is one import and one config value (the rest of SkyRL
     import tvcache.integrations.skyrl       # in the entrypoint: registers env_class tvcache_text2sql
     environment.env_class=tvcache_text2sql  # instead of text2sql; skyrl_gym.text2sql.db_path as before
 
-This script plays the generator's part on a few Spider questions (German, from `../shared/workloads/sql/spider-de`):
+This script plays the generator's part on a few Spider questions (German, from the Spider-de data that ships with
+tvcache: `tvcache_bench.data`):
 per task a group of rollouts, each `skyrl_gym.make(...)` / `init` / `step` / `close` on a thread pool as
 `SkyRLGymGenerator` runs them, the policy any OpenAI-compatible endpoint. Each environment reports its tool calls
 and hits through `get_metrics()`, which SkyRL logs.
@@ -30,8 +31,9 @@ from openai import AsyncOpenAI
 
 import tvcache.integrations.skyrl  # noqa: F401  # registers tvcache_text2sql
 from tvcache.sandboxes.reclaim import scratch
+from tvcache_bench.data import workload_path
 
-SPIDER = Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads" / "sql" / "spider-de"
+SPIDER = workload_path("sql", "spider-de")  # the data that ships with tvcache, or $TVCACHE_WORKLOADS
 
 SYSTEM = (
     "You are a data scientist answering questions about a SQLite database. Think inside <think>...</think>. "

@@ -34,7 +34,7 @@ from tvcache_bench.data import workload_path
 from tvcache_bench.workloads.grpo.tasks import chinook as chinook_tasks
 from tvcache_bench.workloads.grpo.tasks import rows
 
-CHINOOK = workload_path("sql", "chinook", "chinook.sqlite")  # ../shared/workloads, or $TVCACHE_WORKLOADS
+CHINOOK = workload_path("sql", "chinook", "chinook.sqlite")  # shipped with tvcache, or $TVCACHE_WORKLOADS
 
 
 class SQLEnv:

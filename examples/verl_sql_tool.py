@@ -16,7 +16,7 @@ from verl.tools.function_tool import function_tool
 from tvcache.sandboxes.sqlite import format_rows
 from tvcache_bench.data import workload_path
 
-CHINOOK = workload_path("sql", "chinook", "chinook.sqlite")  # ../shared/workloads, or $TVCACHE_WORKLOADS
+CHINOOK = workload_path("sql", "chinook", "chinook.sqlite")  # shipped with tvcache, or $TVCACHE_WORKLOADS
 
 
 @function_tool

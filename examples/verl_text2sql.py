@@ -58,7 +58,7 @@ QUESTIONS = [
 
 
 def chinook() -> Path:
-    return workload_path("sql", "chinook", "chinook.sqlite")  # ../shared/workloads, or $TVCACHE_WORKLOADS
+    return workload_path("sql", "chinook", "chinook.sqlite")  # shipped with tvcache, or $TVCACHE_WORKLOADS
 
 
 def sandboxes(row: Mapping[str, Any]) -> tvcache.Sandboxes:

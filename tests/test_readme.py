@@ -55,6 +55,7 @@ def test_every_fence_names_a_language_the_test_knows() -> None:
 
 @pytest.mark.parametrize("code", blocks("python"))
 def test_a_python_block_runs_as_written(code: str) -> None:
+    assert "../" not in code, "a path outside the repository works in no one else's checkout"
     env = {k: v for k, v in os.environ.items() if k != "TVCACHE_WORKLOADS"}  # only the paths the page names
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600

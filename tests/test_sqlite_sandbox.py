@@ -32,8 +32,9 @@ from tvcache.sandboxes.sqlite import (
     SQLiteSandbox,
     SQLiteSandboxes,
 )
+from tvcache_bench import data
 
-WORKLOADS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
+WORKLOADS = data.BUNDLED  # the data that ships with tvcache
 CHINOOK = WORKLOADS / "sql" / "chinook" / "chinook.sqlite"
 NORTHWIND_SQL = WORKLOADS / "sql" / "northwind" / "create.sql"
 

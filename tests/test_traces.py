@@ -1,4 +1,4 @@
-"""The trace reader: the format of ../shared/workloads/README.md, and clear errors naming the bad line."""
+"""The trace reader: the format of src/tvcache_bench/data/README.md, and clear errors naming the bad line."""
 
 from __future__ import annotations
 

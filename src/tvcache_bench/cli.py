@@ -70,7 +70,7 @@ def add_commands(subparsers: Any) -> None:
         "a task concurrent, each rollout's calls in order), under each strategy in turn on the same schedule, "
         "checking every answer against the uncached one.",
     )
-    p.add_argument("traces", metavar="TRACES", help="JSONL trace file (format: ../shared/workloads/README.md)")
+    p.add_argument("traces", metavar="TRACES", help="JSONL trace file (format: tvcache_bench/data/README.md)")
     p.add_argument(
         "--sandbox",
         required=True,

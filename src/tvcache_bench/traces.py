@@ -1,6 +1,6 @@
 """The trace format: recorded agent rollouts, one per line of a JSONL file.
 
-Each line is one rollout (see `../shared/workloads/README.md`):
+Each line is one rollout (see `tvcache_bench/data/README.md`):
 
     {"task": str, "rollout": str, "source": str,
      "calls": [{"tool": str, "args": {...}, "output": str | null}]}

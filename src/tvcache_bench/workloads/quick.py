@@ -1,6 +1,6 @@
 """`tvcache bench quick`: the README's main job. Well under a minute on 2 cores.
 
-A mix of SQL rollouts on real databases (`../shared/workloads/sql/`), replayed under no cache, the naive
+A mix of SQL rollouts on real databases (the data that ships with tvcache, `tvcache_bench/data/sql/`), replayed under no cache, the naive
 (tool, args) cache, the published strategy and tvcache, on the same GRPO schedule, with every answer checked
 against the uncached one:
 

@@ -1,0 +1,75 @@
+"""The main job runs wherever tvcache is installed: the wheel built from this checkout, installed with its bench
+extra into a fresh virtual environment, runs `tvcache bench quick` from an empty directory, reading the data the
+wheel carries.
+
+The virtual environment sees the machine's site-packages (`--system-site-packages`) and pip runs with
+`--no-index`: the bench extra's dependencies are met by what `.ci/run` installed, so nothing is downloaded (tests
+reach no network). tvcache itself comes from the wheel, which the test checks: its modules and its data load from
+inside the virtual environment, and no checkout is on the path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*argv: str | Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert result.returncode == 0, f"{argv}:\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.mark.slow
+def test_the_installed_wheel_runs_the_main_job_from_an_empty_directory(tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-q",
+        "-w",
+        dist,
+        ROOT,
+        cwd=tmp_path,
+    )
+    (wheel,) = dist.glob("tvcache-*.whl")
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", "--system-site-packages", venv, cwd=tmp_path)
+    run(venv / "bin" / "python", "-m", "pip", "install", "--no-index", "-q", f"{wheel}[bench]", cwd=tmp_path)
+
+    # Nothing of this checkout or of the shared data: no PYTHONPATH, no TVCACHE_WORKLOADS, an empty directory.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TVCACHE_WORKLOADS")}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    where = run(
+        venv / "bin" / "python",
+        "-c",
+        "import tvcache, tvcache_bench.data as d; print(tvcache.__file__); print(d.chinook())",
+        cwd=empty,
+        env=env,
+    ).stdout.split()
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    assert where == [str(site / "tvcache" / "__init__.py"), str(site / "tvcache_bench/data/sql/chinook/chinook.sqlite")]
+
+    result = run(venv / "bin" / "tvcache", "bench", "quick", "--json", "figures.json", cwd=empty, env=env)
+    assert "reading the table:" in result.stdout
+    assert sorted(p.name for p in empty.iterdir()) == ["figures.json"]  # nothing else written where it ran
+    figures = json.loads((empty / "figures.json").read_text())
+    strategies = figures["strategies"]
+    assert figures["tasks"] == 64 and set(strategies) == {"none", "naive", "paper", "tvcache"}
+    assert strategies["tvcache"]["incorrect_hits"] == 0 and strategies["tvcache"]["hit_rate"] > 0.5
+    assert strategies["naive"]["incorrect_hits"] > 0  # the oracle check ran on the shipped data
