@@ -208,6 +208,20 @@ def test_workspace_the_next_factory_reclaims_run_dir_mounts_and_cgroups(point: s
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("next_kind", ["sqlite", "workspace"])
+def test_either_next_factory_reclaims_a_process_that_held_both_kinds(next_kind: str, db: Path, base: Path) -> None:
+    """In their default tmp (/dev/shm), as most users run them: whichever factory is made next, nothing stays."""
+    shm = Path("/dev/shm")
+    child = Child("sqlite+workspace", db, base)
+    child.kill_once(RNG.choice(POINTS), lambda: len(owned_by(child.pid, shm)) >= 2)
+    assert owned_by(child.pid, shm)
+    factory = SQLiteSandboxes(db) if next_kind == "sqlite" else WorkspaceSandboxes(base)
+    try:
+        assert owned_by(child.pid, shm) == []
+    finally:
+        asyncio.run(factory.close())
+
+
 # -- tvcache gc ------------------------------------------------------------------------------------------------
 
 

@@ -12,10 +12,11 @@ for the owner. What names it:
   mounts and the list of its cgroups (see `_rundir`);
 - Docker containers, images and networks carry the labels `tvcache.run` and `tvcache.owner` (see `_docker_run`).
 
-Whatever makes scratch or a run dir first reclaims everything of dead owners in the same parent (`reclaim_dead`:
-`scratch_dir` and `RunDir` call it), so the next factory working where a killed one worked leaves nothing of it;
-`tvcache gc` lists and reclaims everything in every usual place (`leftovers(scratch_parents())`, and
-`docker_leftovers`), and a sandbox server does so when it starts. Nothing of a live owner is ever touched.
+Whatever makes scratch or a run dir first reclaims everything of dead owners in its parent and in the usual
+places (/dev/shm, the temp dir, /var/tmp, tvcache's cache: `reclaim_dead`, which `scratch_dir` and `RunDir` call),
+so the next factory leaves nothing of a killed one; `tvcache gc` lists and reclaims the same, with sizes
+(`leftovers(scratch_parents())`) and Docker's (`docker_leftovers`), and a sandbox server reclaims when it starts.
+Nothing of a live owner is ever touched.
 """
 
 from __future__ import annotations
@@ -113,9 +114,10 @@ def scratch(kind: str, parent: str | os.PathLike[str] | None = None) -> Iterator
 
 
 def reclaim_dead(parent: str | os.PathLike[str]) -> list[Leftover]:
-    """Remove everything in `parent` whose owner is gone (scratch of every kind, workspace run dirs with their
-    mounts and cgroups); returns what went."""
-    found = leftovers([Path(parent)], sized=False)
+    """Remove everything in `parent` and in the usual places (`scratch_parents`) whose owner is gone: scratch of
+    every kind, workspace run dirs with their mounts and cgroups. So whichever factory comes next, and wherever
+    the killed process worked by default, nothing of it stays. A few directory listings when nothing is dead."""
+    found = leftovers(scratch_parents([parent]), sized=False)
     for item in found:
         item.reclaim()
     return found
