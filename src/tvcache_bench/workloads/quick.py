@@ -1,8 +1,8 @@
 """`tvcache bench quick`: the README's main job. Well under a minute on 2 cores.
 
-A mix of SQL rollouts on real databases (the data that ships with tvcache, `tvcache_bench/data/sql/`), replayed under no cache, the naive
-(tool, args) cache, the published strategy and tvcache, on the same GRPO schedule, with every answer checked
-against the uncached one:
+A mix of SQL rollouts on real databases (the data that ships with tvcache, `tvcache_bench/data/sql/`), replayed
+under no cache, the naive (tool, args) cache, the published strategy and tvcache, on the same GRPO schedule, with
+every answer checked against the uncached one:
 
 - text-to-SQL tasks of the `sql` workload (`tvcache_bench.workloads.sql.build_workload`: Spider-de, Geography,
   Chinook questions; TPC-H left out, its queries take seconds each), when that module is installed;

@@ -2,9 +2,9 @@
 
 **Data.** `traces/tau-airline.jsonl`: sierra-research/tau-bench's `historical_trajectories/gpt-4o-airline.json`
 (MIT), 50 tasks x 4 GPT-4o rollouts, 1,164 tool calls, against the airline database of
-`tvcache_bench/data/tau-airline/` (shipped with tvcache). The tools are `tvcache_bench.workloads.airline` (written for this project); before
-replaying, the bench checks them against the outputs the traces recorded and prints the match rate
-(`airline.conformance()`).
+`tvcache_bench/data/tau-airline/` (shipped with tvcache). The tools are `tvcache_bench.workloads.airline`
+(written for this project); before replaying, the bench checks them against the outputs the traces recorded and
+prints the match rate (`airline.conformance()`).
 
 **Sandboxes.** `PythonSandboxes` over an in-memory copy of the database: reads (`get_*`, `search_*`,
 `list_all_airports`, `calculate`, `think`, `transfer_to_human_agents`) are annotated read-only; whether a

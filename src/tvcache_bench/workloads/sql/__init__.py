@@ -788,7 +788,8 @@ def _notes(chosen: Sequence[Question], traces: Sequence[Trace], dropped: int, ro
 def describe() -> str:
     """Where each part of the workload comes from, for the README."""
     return (
-        "**sql** — text-to-SQL rollouts on real SQLite databases (the data that ships with tvcache, `tvcache_bench/data/sql/`), tool `sql` "
+        "**sql** — text-to-SQL rollouts on real SQLite databases (the data that ships with tvcache, "
+        "`tvcache_bench/data/sql/`), tool `sql` "
         '(`{"query": str}`) in `SQLiteSandboxes`, one sandbox factory per database.\n\n'
         "- Tasks: the 1,030 questions of Spider's dev set in German (LeLuven/MachineSpider, CC BY-SA 4.0) "
         "over its 20 databases; the question sentences of Geography (jkkummerfeld/text2sql-data, CC BY 4.0) "
