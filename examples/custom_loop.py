@@ -1,5 +1,7 @@
 """A tool-calling loop of one's own around an OpenAI-style chat model, its Python tools cached with tvcache.
 
+    pip install 'tvcache[examples]'
+    python examples/custom_loop.py                      # a built-in scripted policy stands in for the model
     python examples/custom_loop.py --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-8B --rollouts 8
 
 The tools are plain methods of a class over tau-bench's airline database (shipped with tvcache): an
@@ -20,6 +22,7 @@ from typing import Any
 
 import pydantic
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletion
 
 import tvcache
 from tvcache_bench.data import workload_path
@@ -95,8 +98,62 @@ def schema(name: str) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "description": fn.__doc__, "parameters": parameters}}
 
 
+class ScriptedPolicy:
+    """Stands in for a model server when none is given: answers `client.chat.completions.create` with the
+    completions a model would send (OpenAI's own types), each rollout following one of `PLANS` in turn."""
+
+    # Per plan, per turn, the tool calls the "model" makes: look then cancel, only look, cancel at once, search then
+    # cancel twice (the second is told it is already cancelled), an unknown reservation, malformed arguments.
+    PLANS: list[list[list[tuple[str, str]]]] = [
+        [
+            [("get_reservation_details", '{"reservation_id": "4WQ150"}')],
+            [("cancel_reservation", '{"reservation_id": "4WQ150"}')],
+        ],
+        [[("get_reservation_details", '{"reservation_id": "4WQ150"}')]],
+        [[("cancel_reservation", '{"reservation_id": "4WQ150"}')]],
+        [
+            [("search_direct_flight", '{"origin": "DFW", "destination": "LAX", "date": "2024-05-22"}')],
+            [("cancel_reservation", '{"reservation_id": "4WQ150"}')],
+            [("cancel_reservation", '{"reservation_id": "4WQ150"}')],
+        ],
+        [[("cancel_reservation", '{"reservation_id": "NOSUCH"}')]],
+        [[("cancel_reservation", '{"reservation_id": 4WQ150}')]],
+    ]
+
+    def __init__(self) -> None:
+        self.chat = self
+        self.completions = self
+        self._plans: dict[int, list[list[tuple[str, str]]]] = {}  # a rollout's messages list -> its plan
+        self._started = 0
+
+    async def create(self, *, model: str, messages: list[Any], tools: list[Any]) -> ChatCompletion:
+        turn = sum(m["role"] == "assistant" for m in messages)
+        if turn == 0:  # a new rollout: the next plan
+            self._plans[id(messages)] = self.PLANS[self._started % len(self.PLANS)]
+            self._started += 1
+        plan = self._plans[id(messages)]
+        calls = [
+            {"id": f"call_{turn}_{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
+            for i, (name, arguments) in enumerate(plan[turn] if turn < len(plan) else [])
+        ]
+        message = {
+            "role": "assistant",
+            "content": None if calls else "Done.",
+            **({"tool_calls": calls} if calls else {}),
+        }
+        return ChatCompletion.model_validate(
+            {
+                "id": f"scripted-{turn}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": model,
+                "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}],
+            }
+        )
+
+
 async def rollout(
-    cache: tvcache.ToolCache, client: AsyncOpenAI, model: str, task: dict[str, str], max_turns: int = 8
+    cache: tvcache.ToolCache, client: AsyncOpenAI | ScriptedPolicy, model: str, task: dict[str, str], max_turns: int = 8
 ) -> dict[str, Any]:
     """One rollout of `task` ({"id", "request", "reservation_id"}): the loop, then the reward on the final state."""
     async with cache.rollout(task["id"], TOOLS.sandboxes) as r:
@@ -121,9 +178,17 @@ async def rollout(
         return {"messages": messages, "results": results, "reward": graded.output, "graded": graded}
 
 
-async def main(base_url: str, model: str, rollouts: int = 8, epochs: int = 2) -> list[list[dict[str, Any]]]:
-    """`epochs` groups of `rollouts` concurrent rollouts of one request; returns them per epoch."""
-    client = AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"))
+async def main(
+    base_url: str | None = None, model: str = "scripted-policy", rollouts: int = 8, epochs: int = 2
+) -> list[list[dict[str, Any]]]:
+    """`epochs` groups of `rollouts` concurrent rollouts of one request, against the model server at `base_url`
+    (without one, the built-in scripted policy); prints each epoch's rewards and cache figures, returns the
+    rollouts per epoch."""
+    client: AsyncOpenAI | ScriptedPolicy = (
+        AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"))
+        if base_url
+        else ScriptedPolicy()
+    )
     task = {
         "id": "cancel-4WQ150",
         "request": "Hi, I'm Chen Jackson. Please cancel my reservation 4WQ150.",
@@ -136,15 +201,26 @@ async def main(base_url: str, model: str, rollouts: int = 8, epochs: int = 2) ->
             groups.append(group)
             hits = sum(r.hit for g in group for r in g["results"])
             calls = sum(len(g["results"]) for g in group)
-            print(f"epoch {epoch}: rewards {[g['reward'] for g in group]}, {hits} of {calls} tool calls hit")
+            graded = sum(not g["graded"].hit for g in group)
+            print(
+                f"epoch {epoch}: rewards {[g['reward'] for g in group]}; {hits} of {calls} tool calls hit; "
+                f"{graded} of {len(group)} gradings executed"
+            )
+        stats = cache.stats()
+        print(
+            f"cache: {stats['calls']:.0f} calls, {stats['hits']:.0f} hits, {stats['executions']:.0f} executions, "
+            f"{stats['seconds_saved'] * 1e3:.1f} ms of tool time saved"
+        )
         return groups
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", required=True)
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--base-url", help="an OpenAI-compatible server (default: a built-in scripted policy)")
+    parser.add_argument("--model", default="scripted-policy", help="the model the server serves")
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
+    if args.base_url and args.model == "scripted-policy":
+        parser.error("--base-url needs --model: the model the server serves")
     asyncio.run(main(args.base_url, args.model, args.rollouts, args.epochs))

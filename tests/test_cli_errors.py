@@ -7,6 +7,7 @@ A missing optional dependency is simulated by putting a module of its name first
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import re
@@ -21,6 +22,7 @@ import pytest
 import kv
 import tvcache
 from server_helpers import Server, free_port
+from tvcache_bench import cli as bench_cli
 from tvcache_bench import data
 from tvcache_bench.data import workload_path
 from tvcache_bench.traces import Trace, TraceCall, write_traces
@@ -210,17 +212,18 @@ def test_the_bench_table_explains_itself(tmp_path: Path, sql_traces: Path) -> No
     result = tvcache_command(*replay_args(sql_traces, "--strategies", "none,naive"), tmp=tmp_path)
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())  # rich wraps long lines
-    footer = text.split("reading the table:", 1)[1]
+    footer = text.split("reading the tables:", 1)[1]
     assert "none = no cache: every call executes in the rollout's own sandbox; its answers are the oracle" in footer
     assert "naive = a cache keyed on (tool, args) alone, blind to the sandbox's state" in footer
     assert "paper =" not in footer and "tvcache =" not in footer  # only the strategies of this run
-    assert "speedup = total: none's total tool time / the strategy's" in footer
-    assert "median: none's median call time / the strategy's" in footer
+    assert "speedup = none's tool time / the strategy's" in footer
+    assert "median speedup = none's median call / the strategy's" in footer
     assert "incorrect hits = hits whose answer differs from the uncached answer" in footer
     assert "wrong answers (noted above where there are more) also count executed calls" in footer
     result = tvcache_command(*replay_args(sql_traces, "--strategies", "paper,tvcache"), tmp=tmp_path)
-    footer = " ".join(result.stdout.split()).split("reading the table:", 1)[1]
-    assert "paper = the published policy: a key per exact history of calls" in footer and "tvcache = " in footer
+    footer = " ".join(result.stdout.split()).split("reading the tables:", 1)[1]
+    assert "paper = the policy of the published TVCache system (Kumar, Kataria, Oh, Manzoor and Singh," in footer
+    assert "arXiv:2602.10986, 2026): a key per exact history of calls" in footer and "tvcache = " in footer
     assert "speedup =" not in footer and "incorrect hits =" not in footer  # nothing was compared without none
 
 
@@ -270,3 +273,43 @@ def test_stats_of_a_server_that_is_not_there(tmp_path: Path) -> None:
     port = free_port()
     line = one_line_error(tvcache_command("stats", f"http://127.0.0.1:{port}", tmp=tmp_path), code=1)
     assert line.startswith(f"tvcache stats: cannot reach http://127.0.0.1:{port}"), line
+
+
+# -- every flag a command shows, accepted ----------------------------------------------------------------------
+
+# A valid value for each option `tvcache bench` takes.
+SAMPLES = {
+    "--tasks": "1",
+    "--epochs": "1",
+    "--rollouts": "1",
+    "--seed": "0",
+    "--steps": "1",
+    "--latency": "0",
+    "--timeout": "1",
+    "--turns": "step",
+    "--batch": "1",
+    "--concurrency": "1",
+    "--strategies": "none",
+    "--store": "memory://",
+    "--charts": "charts",
+}
+
+
+def test_every_flag_the_bench_help_names_for_a_workload_is_accepted_by_it() -> None:
+    parser = argparse.ArgumentParser(prog="tvcache")
+    commands = parser.add_subparsers(dest="command")
+    bench_cli.add_commands(commands)
+    bench = commands.choices["bench"]
+    checked = []
+    for action in bench._actions:
+        named = re.match(r"\(([a-z, ]+)\)", action.help or "")
+        for workload in named.group(1).split(", ") if named else []:
+            if workload not in bench_cli.BENCH_DEFAULTS:
+                continue  # sandbox, redis: checked where those commands run
+            flag = action.option_strings[-1]
+            value = [] if action.nargs == 0 else [SAMPLES[flag]]
+            args = parser.parse_args(["bench", workload, flag, *value])
+            bench_cli._bench_options(args, workload)  # a flag it does not take: SystemExit
+            checked.append((workload, flag))
+    assert ("quick", "--no-progress") in checked and ("synthetic", "--no-progress") in checked
+    assert len(checked) > 40

@@ -10,9 +10,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
+import subprocess
+import sys
 import threading
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pydantic
@@ -318,3 +322,22 @@ def test_the_custom_loop_example_matches_uncached_execution_and_grades_each_fina
             assert 0 < sum(r.hit for r in results) < len(results)
         else:
             assert not graded_here and all(r.hit for r in results)
+
+
+def test_the_custom_loop_example_runs_without_arguments_on_its_scripted_policy(tmp_path: Path) -> None:
+    """As a newcomer runs it: no model server, from any directory; it prints each epoch's rewards and cache
+    figures. The rewards are those of its plans (cancel: 1; look, an unknown reservation, malformed arguments: 0),
+    and the second epoch repeats the first's calls, so everything hits."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "custom_loop.py"
+    env = {k: v for k, v in os.environ.items() if k != "TVCACHE_WORKLOADS"}
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("epoch 0: rewards [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]; ")
+    assert lines[0].endswith("of 12 tool calls hit; 2 of 8 gradings executed")  # two final states
+    assert lines[1] == (
+        "epoch 1: rewards [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0]; 13 of 13 tool calls hit; 0 of 8 gradings executed"
+    )
+    assert lines[2].startswith("cache: 41 calls, ")

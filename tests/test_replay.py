@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import random
+import re
 import sqlite3
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -319,8 +320,16 @@ def test_reports(tmp_path: Path) -> None:
     out = io.StringIO()
     print_table(result, Console(file=out, width=200))
     text = out.getvalue()
-    for name in ("none", "naive", "paper", "tvcache", "hit rate", "incorrect hits", "peak memory"):
-        assert name in text
+    assert max(len(line) for line in text.splitlines()) <= 100  # at a glance in a 100-column terminal
+    tables, legend = text.split("reading the tables:")
+    headers = re.findall(r"┃([^┃\n]+)", tables)  # the header cells of both tables (some over two lines)
+    columns = {" ".join(h.split()) for h in headers} - {""}
+    assert {"hit rate", "snapshots", "peak memory", "p90 call", "replayed", "median speedup"} <= columns
+    terms = re.findall(r"^  ([a-z0-9 ]+) =", legend, re.M)
+    for column in columns - {"strategy", "incorrect", "hits"}:
+        assert column in terms, f"the legend does not explain {column!r}"
+    assert "incorrect hits" in terms
+    assert "arXiv:2602.10986" in " ".join(legend.split())  # the published system, cited
     write_json(result, tmp_path / "out.json")
     figures = json.loads((tmp_path / "out.json").read_text())
     for row in figures["strategies"].values():
@@ -472,3 +481,15 @@ def test_workspace_setup(tmp_path: Path) -> None:
     assert not (base / "b.txt").exists()
     with pytest.raises(Exception, match="setup"):
         asyncio.run(load_workload(traces, "workspace", base=base, setup="exit 3"))
+
+
+def test_the_check_of_wrong_looking_answers_shows_its_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    """Re-executing rollouts to check the naive cache's answers takes seconds: it has a progress bar."""
+    workload = synthetic.build_workload(synthetic.Params(tasks=2, rollouts=3, calls=5, cost_ms=1, capacity=0))
+    try:
+        result = asyncio.run(replay_strategies(workload, ["none", "naive"], ReplayOptions(epochs=2, progress=True)))
+    finally:
+        asyncio.run(workload.close())
+    assert result.strategies["naive"].wrong_answers
+    err = capsys.readouterr().err
+    assert "rollouts re-run to check naive's answers" in err

@@ -66,7 +66,7 @@ def test_the_installed_wheel_runs_the_main_job_from_an_empty_directory(tmp_path:
     assert where == [str(site / "tvcache" / "__init__.py"), str(site / "tvcache_bench/data/sql/chinook/chinook.sqlite")]
 
     result = run(venv / "bin" / "tvcache", "bench", "quick", "--json", "figures.json", cwd=empty, env=env)
-    assert "reading the table:" in result.stdout
+    assert "reading the tables:" in result.stdout
     assert sorted(p.name for p in empty.iterdir()) == ["figures.json"]  # nothing else written where it ran
     figures = json.loads((empty / "figures.json").read_text())
     strategies = figures["strategies"]

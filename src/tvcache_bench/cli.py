@@ -301,8 +301,8 @@ async def _replay(args: argparse.Namespace) -> dict[str, Any]:
 
 # Per workload: the `tvcache bench` options it takes (besides --json and --charts) and their defaults.
 BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "quick": {},
-    "synthetic": {},
+    "quick": {"no_progress": False},
+    "synthetic": {"no_progress": False},
     # sql's strategies take turns by strategy: its SQLite snapshots copy whole databases (373 MB for TPC-H), too
     # many to hold every strategy's at once in tmpfs.
     "sql": {"tasks": 40, "epochs": 1, "rollouts": 8, "seed": 0, "no_tpch": False, "turns": "strategy"},
@@ -381,7 +381,10 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
         help="(sql, swe, airline, video) tvcache's store (default: in memory); (redis) the Redis server to measure",
     )
     parser.add_argument(
-        "--no-progress", action="store_true", default=None, help="(sql, swe, airline, video) no progress bars"
+        "--no-progress",
+        action="store_true",
+        default=None,
+        help="(quick, synthetic, sql, swe, airline, video) no progress bars",
     )
 
 
@@ -396,7 +399,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if workload == "quick":
         from .workloads import quick
 
-        return quick.run(charts=charts)
+        return quick.run(charts=charts, progress=not o["no_progress"])
     if workload == "grpo":
         from .workloads.grpo import bench as grpo
 
@@ -404,7 +407,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if workload == "synthetic":
         from .workloads import synthetic
 
-        return synthetic.run(charts=charts)
+        return synthetic.run(charts=charts, progress=not o["no_progress"])
     from .replay import ReplayOptions
 
     options = ReplayOptions(

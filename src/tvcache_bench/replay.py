@@ -291,8 +291,7 @@ async def replay(workload: Workload, strategies: Sequence[Strategy], options: Re
         with progress or _nothing():
             if progress is not None:
                 for engine in engines:
-                    bar = progress.add_task(engine.strategy.name, total=calls_per_epoch * options.epochs)
-                    engine.advance = functools.partial(progress.advance, bar)
+                    engine.advance = _bar(progress, engine.strategy.name, calls_per_epoch * options.epochs, "calls")
             every = range(len(steps))
             if options.turns == "step":
                 turns = [(engine, i) for i in every for engine in engines]
@@ -312,8 +311,10 @@ async def replay(workload: Workload, strategies: Sequence[Strategy], options: Re
     runs = {engine.strategy.name: engine.run_ for engine in engines}
     if oracle is not None:
         verifier = _Verifier(workload, factories, options) if options.verify else None
-        for engine in engines[1:]:
-            await _judge(workload, engine.mismatches, engine.run_, oracle, verifier)
+        checks = _progress(options.progress)  # re-executions take seconds: a bar, not a silent wait
+        with checks or _nothing():
+            for engine in engines[1:]:
+                await _judge(workload, engine.mismatches, engine.run_, oracle, verifier, checks)
     return ReplayResult(
         workload=workload.name,
         notes=workload.notes,
@@ -476,13 +477,20 @@ class _Verifier:
         answers = self._answers.get((index, paced), [])
         return answers[call] if call < len(answers) else None
 
-    async def rerun(self, needed: dict[int, int], *, paced: bool = False) -> None:
-        """Re-execute each rollout `index` up to call `needed[index]` (once per rollout and replay)."""
+    async def rerun(self, needed: dict[int, int], *, paced: bool = False, progress: Any = None, name: str = "") -> None:
+        """Re-execute each rollout `index` up to call `needed[index]` (once per rollout and replay), with a
+        progress bar named after the strategy whose answers are checked."""
         slots = asyncio.Semaphore(self._options.concurrency)
         todo = {i: last for i, last in needed.items() if len(self._answers.get((i, paced), [])) <= last}
-        await asyncio.gather(*(self._one(slots, i, last, paced) for i, last in todo.items()))
+        if not todo:
+            return
+        what = f"rollouts re-run to check {name}'s answers" + (f" ({self.PACE} s a call)" if paced else "")
+        advance = _bar(progress, "check", len(todo), what)
+        await asyncio.gather(*(self._one(slots, i, last, paced, advance) for i, last in todo.items()))
 
-    async def _one(self, slots: asyncio.Semaphore, index: int, last: int, paced: bool) -> None:
+    async def _one(
+        self, slots: asyncio.Semaphore, index: int, last: int, paced: bool, advance: Callable[[], None]
+    ) -> None:
         trace = self._workload.traces[index]
         answers: list[bytes | None] = []
         async with slots:
@@ -501,22 +509,28 @@ class _Verifier:
                 if box is not None:
                     with contextlib.suppress(Exception):
                         await box.close()
+                advance()
         self._answers[(index, paced)] = answers
 
 
 async def _judge(
-    workload: Workload, mismatches: list[_Mismatch], run: StrategyRun, oracle: Oracle, verifier: _Verifier | None
+    workload: Workload,
+    mismatches: list[_Mismatch],
+    run: StrategyRun,
+    oracle: Oracle,
+    verifier: _Verifier | None,
+    progress: Any = None,
 ) -> None:
     """Count each mismatch as a wrong answer, unless an uncached re-execution of its rollout disagreed with
     the oracle as well, or gave the strategy's answer when paced (see `_Verifier`). Unverifiable mismatches
     count as wrong."""
     if verifier is not None and mismatches:
-        await verifier.rerun(_furthest(mismatches))
+        await verifier.rerun(_furthest(mismatches), progress=progress, name=run.name)
         executed = [m for m in mismatches if not m.hit]
         unexplained = _furthest([m for m in executed if verifier.answer(m.index, m.call) == oracle[m.key]])
         # Pacing is slow (a second a call): at most one batch of rollouts, the shortest first.
         cheapest = sorted(unexplained, key=unexplained.__getitem__)[: verifier.paced_rollouts]
-        await verifier.rerun({i: unexplained[i] for i in cheapest}, paced=True)
+        await verifier.rerun({i: unexplained[i] for i in cheapest}, paced=True, progress=progress, name=run.name)
     assert run.wrong_answers is not None and run.incorrect_hits is not None and run.nondeterministic is not None
     for m in mismatches:
         expected = oracle[m.key]
@@ -583,10 +597,18 @@ def _progress(enabled: bool) -> Any:
         TextColumn("{task.description:>8}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("calls"),
+        TextColumn("{task.fields[unit]}"),
         TimeElapsedColumn(),
         console=Console(stderr=True),
     )
+
+
+def _bar(progress: Any, description: str, total: int, unit: str) -> Callable[[], None]:
+    """A bar of `progress` (None: no bars) and the function that advances it by one."""
+    if progress is None:
+        return lambda: None
+    task = progress.add_task(description, total=total, unit=unit)
+    return functools.partial(progress.advance, task)
 
 
 class _nothing:

@@ -16,6 +16,7 @@ from rich.table import Table
 from .replay import ReplayResult, StrategyRun, percentile
 
 __all__ = [
+    "PAPER",
     "format_bytes",
     "format_seconds",
     "print_table",
@@ -29,7 +30,7 @@ __all__ = [
 
 # One colour per strategy, the same in every chart.
 COLORS = {"none": "#7f7f7f", "naive": "#d62728", "paper": "#1f77b4", "tvcache": "#2ca02c"}
-LABELS = {"none": "no cache", "naive": "naive (tool, args)", "paper": "published strategy", "tvcache": "tvcache"}
+LABELS = {"none": "no cache", "naive": "naive (tool, args)", "paper": "TVCache paper's policy", "tvcache": "tvcache"}
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -63,89 +64,137 @@ def wide_console() -> Console:
     return console if console.is_terminal else Console(width=160)
 
 
+# The published system the `paper` strategy reimplements, as the reports cite it.
+PAPER = (
+    'Kumar, Kataria, Oh, Manzoor and Singh, "TVCache: A Stateful Tool-Value Cache for Post-Training LLM Agents", '
+    "arXiv:2602.10986, 2026"
+)
+
+# Reports fit a 100-column terminal: the table holds what a reader compares at a glance, the detail table below it
+# the rest, and the notes and legend wrap at the same width.
+WIDTH = 100
+
+
 def print_table(result: ReplayResult, console: Console | None = None) -> None:
     console = console or wide_console()
+    width = min(console.width, WIDTH)
     summary = result.summary()
+    strategies = summary["strategies"]
+    compared = "none" in strategies
     o = result.options
-    table = Table(
+    main = Table(
         title=f"{result.workload}: {result.tasks} tasks, {result.rollouts} rollouts, "
         f"{result.calls_per_epoch} calls x {o.epochs} epoch{'s' if o.epochs > 1 else ''} "
         f"(batch {o.batch} tasks/step, {o.concurrency} concurrent rollouts)",
         title_justify="left",
     )
-    for name, justify in [
-        ("strategy", "left"),
-        ("hit rate", "right"),
-        ("executions", "right"),
-        ("median call", "right"),
-        ("p90 call", "right"),
-        ("total tool time", "right"),
-        ("speedup\n(total / median)", "right"),
-        ("incorrect hits", "right"),
-        ("snapshots", "right"),
-        ("peak memory", "right"),
-    ]:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for name, row in summary["strategies"].items():
+    detail = Table(title="detail", title_justify="left")
+    for table, columns in (
+        (
+            main,
+            [
+                "hit rate",
+                "executions",
+                "median call",
+                "tool time",
+                *_compared(compared, "speedup", "incorrect\nhits"),
+                "snapshots",
+            ],
+        ),
+        (detail, ["replayed", "p90 call", *_compared(compared, "median speedup"), "peak memory"]),
+    ):
+        table.add_column("strategy")
+        for column in columns:
+            table.add_column(column, justify="right")
+    for name, row in strategies.items():
         incorrect = row["incorrect_hits"]
         shown = "-" if incorrect is None else f"[bold red]{incorrect}[/]" if incorrect else "[green]0[/]"
-        executions = f"{row['executions']}" + (f" +{row['replays']} replayed" if row["replays"] else "")
-        speedup = "-" if name == "none" else f"{_ratio(row['speedup_total'])} / {_ratio(row['speedup_median'])}"
-        table.add_row(
+        baseline = name == "none"
+        main.add_row(
             name,
             f"{row['hit_rate']:.1%}",
-            executions,
+            str(row["executions"]),
             format_seconds(row["median_call_seconds"]),
-            format_seconds(row["p90_call_seconds"]),
             format_seconds(row["total_tool_seconds"]),
-            speedup,
-            shown,
+            *_compared(compared, "-" if baseline else _ratio(row["speedup_total"]), shown),
             str(row["snapshots"]),
+        )
+        detail.add_row(
+            name,
+            str(row["replays"]),
+            format_seconds(row["p90_call_seconds"]),
+            *_compared(compared, "-" if baseline else _ratio(row["speedup_median"])),
             format_bytes(row["peak_memory_bytes"]),
         )
-    console.print(table)
+    console.print(main, width=width)
+    console.print(detail, width=width)
     for line in _footnotes(result, summary):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, width=width)
     legend = Table.grid(padding=(0, 1))  # a grid, so that long meanings wrap under themselves
     legend.add_column(no_wrap=True)
     legend.add_column()
-    for term, meaning in _legend(summary["strategies"]):
+    for term, meaning in _legend(strategies):
         legend.add_row(f"  {term} =", meaning)
-    console.print("reading the table:")
-    console.print(legend, highlight=False)
+    console.print("reading the tables:", width=width)
+    console.print(legend, highlight=False, width=width)
 
 
-# What each strategy is, in the table's footer.
+def _compared(compared: bool, *cells: str) -> list[str]:
+    """The cells that compare with the `none` strategy: none of them in a run without it."""
+    return list(cells) if compared else []
+
+
+# What each strategy is, in the legend.
 MEANINGS = {
     "none": "no cache: every call executes in the rollout's own sandbox; its answers are the oracle",
     "naive": "a cache keyed on (tool, args) alone, blind to the sandbox's state: after a state-changing call it can "
     "return an answer recorded in another state",
-    "paper": "the published policy: a key per exact history of calls, read-only tools memoized only where "
-    "annotated, a snapshot after every state-changing call, no single flight",
+    "paper": f"the policy of the published TVCache system ({PAPER}): a key per exact history of calls, read-only "
+    "tools memoized only where annotated, a snapshot after every state-changing call, no single flight",
     "tvcache": "tvcache.ToolCache with its defaults (in memory unless --store)",
 }
 
 
 def _legend(strategies: dict[str, Any]) -> list[tuple[str, str]]:
-    """How to read the table: the strategies in it, the two speedups, incorrect hits against wrong answers."""
+    """How to read the tables: the strategies in them and every column."""
+    compared = "none" in strategies
     lines = [(name, MEANINGS[name]) for name in strategies if name in MEANINGS]
-    lines.append(("executions", "tool calls run for rollouts; +N replayed: calls run again to rebuild a sandbox state"))
-    if "none" in strategies:
-        lines.append(
-            (
-                "speedup",
-                "total: none's total tool time / the strategy's (all the time rollouts waited for tools); median: "
-                "none's median call time / the strategy's (a typical call; a hit takes microseconds)",
-            )
-        )
-        lines.append(
+    lines += [
+        ("hit rate", "calls answered from the cache (also after waiting for a concurrent identical call) / all calls"),
+        ("executions", "tool calls run for rollouts (the misses)"),
+        (
+            "median call",
+            "the median time of a call as its rollout saw it: lookup, waits, sandbox creation or restore, replays, "
+            "execution, snapshot",
+        ),
+        ("tool time", "the sum of every call's time: all the time rollouts waited for tools"),
+    ]
+    if compared:
+        lines += [
+            ("speedup", "none's tool time / the strategy's: what a training step feels"),
             (
                 "incorrect hits",
                 "hits whose answer differs from the uncached answer of the same call of the same rollout; wrong "
                 "answers (noted above where there are more) also count executed calls whose answer differs because "
                 "an earlier incorrect hit skipped a state change",
-            )
+            ),
+        ]
+    lines += [
+        ("snapshots", "sandbox states saved to restore later (a file copy, a layer, a container commit each)"),
+        ("replayed", "calls run again to rebuild a sandbox state (not in executions)"),
+        ("p90 call", "the 90th percentile of a call's time"),
+    ]
+    if compared:
+        lines.append(
+            ("median speedup", "none's median call / the strategy's: a typical call (a hit takes microseconds)")
         )
+    lines.append(
+        (
+            "peak memory",
+            "how far the strategy's steps raised this process's peak resident memory, summed over its steps (its "
+            "graph, its in-process sandboxes and snapshots)",
+        )
+    )
     return lines
 
 

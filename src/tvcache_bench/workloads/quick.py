@@ -83,10 +83,10 @@ async def quick(size: str = "full", seed: int = 0, progress: bool = True) -> Rep
         await workload.close()
 
 
-def run(charts: str | None = None, *, small: bool = False, seed: int = 0) -> dict[str, Any]:
+def run(charts: str | None = None, *, small: bool = False, seed: int = 0, progress: bool = True) -> dict[str, Any]:
     """Run the quick job, print its table (and write charts into `charts`); returns the JSON summary."""
     console = wide_console()
-    result = asyncio.run(quick("small" if small else "full", seed, progress=not small))
+    result = asyncio.run(quick("small" if small else "full", seed, progress=progress and not small))
     print_table(result, console)
     if charts:
         for path in write_charts(result, charts):

@@ -245,11 +245,11 @@ def print_scale(rows: list[dict[str, Any]], console: Console) -> None:
     console.print(table)
 
 
-def run(charts: str | None = None, *, small: bool = False) -> dict[str, Any]:
+def run(charts: str | None = None, *, small: bool = False, progress: bool = True) -> dict[str, Any]:
     """Both measurements with default sizes (`small`: a few seconds, for tests); prints the tables."""
     console = wide_console()
     p = Params(tasks=4, rollouts=4, calls=6, cost_ms=2) if small else Params()
-    options = ReplayOptions(batch=4, epochs=2, concurrency=16, progress=not small)
+    options = ReplayOptions(batch=4, epochs=2, concurrency=16, progress=progress and not small)
     result = asyncio.run(compare(p, options))
     print_table(result, console)
     if charts:
