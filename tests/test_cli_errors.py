@@ -97,8 +97,8 @@ def test_serve_without_a_token_on_a_non_loopback_address(tmp_path: Path) -> None
     result = tvcache_command("serve", "--host", "0.0.0.0", "--port", str(port), tmp=tmp_path)
     line = one_line_error(result, code=1)
     assert line == (
-        "tvcache serve: --host 0.0.0.0 is reachable from other machines, so the server needs a token: pass --token "
-        "TOKEN or set TVCACHE_TOKEN (clients then use http://:TOKEN@host:port)"
+        "tvcache serve: 0.0.0.0 is reachable from other machines, so the server needs a token: pass --token-file "
+        "FILE or set TVCACHE_TOKEN (clients then use http://:TOKEN@host:port)"
     )
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         pass  # it never listened
