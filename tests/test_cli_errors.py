@@ -118,9 +118,54 @@ def test_replay_fails_when_every_call_of_a_strategy_failed(tmp_path: Path) -> No
         assert line.startswith(f"tvcache replay: error: every call of {name} failed (2 calls, 0 timeouts; the first:")
         assert "a SQLite sandbox has one tool, 'sql'; got 'bash'" in line and line.endswith("nothing was measured")
 
-    # One rollout that works is a measurement: exit status 0.
+    # A tool that fails on every call makes the figures meaningless too, though other tools work.
     write_traces(bash, [Trace("t", "r0", "test", [bad]), Trace("t", "r1", "test", [good, good])])
     result = tvcache_command(*replay_args(bash, "--strategies", "none,tvcache"), tmp=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tvcache replay: error: ")]
+    for name, line in zip(("none", "tvcache"), errors, strict=True):
+        assert line.startswith(f"tvcache replay: error: every call of the tool 'bash' under {name} failed (1 calls)")
+        assert "the first: t/r0 call 0 (bash): " in line and "one tool, 'sql'; got 'bash'" in line
+
+    # Calls that all work: a measurement, exit status 0.
+    write_traces(bash, [Trace("t", "r0", "test", [good]), Trace("t", "r1", "test", [good, good])])
+    result = tvcache_command(*replay_args(bash, "--strategies", "none,tvcache"), tmp=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+STRICT_KV = """
+import tvcache
+
+async def run(state, call):
+    if call.tool == "write":
+        state[call.args["key"]] = call.args["value"]
+        return "ok"
+    return state[call.args["key"]]  # read: a KeyError where the key was never written
+
+
+def sandboxes():
+    return tvcache.PythonSandboxes(make=dict, run=run, fingerprint="strict-kv")
+"""
+
+
+def test_replay_fails_when_a_strategy_fails_calls_the_uncached_run_answered(tmp_path: Path) -> None:
+    """A naive cache answers r1's write from r0's entry without writing, so r1's read (another argument, so a
+    miss) raises in r1's sandbox, where the uncached run read the value: the cache broke the rollout."""
+    (tmp_path / "strict_kv.py").write_text(STRICT_KV)
+    traces = tmp_path / "kv.jsonl"
+    write, read = TraceCall("write", {"key": "a", "value": "x"}), TraceCall("read", {"key": "a"})
+    other_read = TraceCall("read", {"key": "a", "again": 1})
+    write_traces(traces, [Trace("t", "r0", "test", [write, read]), Trace("t", "r1", "test", [write, other_read])])
+    argv = ["replay", str(traces), "--sandbox", "python:strict_kv:sandboxes", "--concurrency", "1", "--no-progress"]
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    result = tvcache_command(*argv, "--strategies", "none,naive,tvcache", env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tvcache replay: error: ")]
+    assert errors == [
+        "tvcache replay: error: naive failed 1 calls that the uncached run answered; the first: t/r1 call 1 (read): "
+        "KeyError: 'a'"
+    ], result.stderr
+    result = tvcache_command(*argv, "--strategies", "none,tvcache", env=env)
     assert result.returncode == 0, result.stderr
 
 
