@@ -293,7 +293,8 @@ async def _rollouts(url: str) -> dict[str, float]:
 def test_stats_hits_and_hit_rate_come_from_the_same_counts(tmp_path: Path) -> None:
     with Server(tmp_path, "memory://", "stats-token") as server:
         client: dict[str, Any] = asyncio.run(_rollouts(server.token_url))
-        result = tvcache_command("stats", server.url, "--token", "stats-token", tmp=tmp_path)
+        (tmp_path / "stats.token").write_text("stats-token\n")
+        result = tvcache_command("stats", server.url, "--token-file", str(tmp_path / "stats.token"), tmp=tmp_path)
     assert result.returncode == 0, result.stderr
     rows = dict(re.findall(r"^(\s*\S.*?)\s{2,}(\S.*)$", result.stdout, re.M))
     lookups, hits, waited = (

@@ -40,7 +40,10 @@ def add_commands(subparsers: Any) -> None:
 
     stats = subparsers.add_parser("stats", help="print a running server's stats as a table")
     stats.add_argument("url", help="the server, e.g. http://127.0.0.1:8470 (or http://:TOKEN@host:port)")
-    stats.add_argument("--token", help="bearer token (default: from the URL or TVCACHE_TOKEN)")
+    add_token_options(
+        stats,
+        "send `Authorization: Bearer TOKEN`, TOKEN being what FILE holds (default: from the URL or TVCACHE_TOKEN)",
+    )
     stats.add_argument("--json", action="store_true", help="print the raw stats as JSON instead")
 
 
@@ -48,14 +51,11 @@ def add_server_options(parser: argparse.ArgumentParser, port: int) -> None:
     """The options every server takes: where it listens, who may use it, how much it reads and logs."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=port, help=f"port to bind (default {port})")
-    who = parser.add_mutually_exclusive_group()
-    who.add_argument(
-        "--token-file",
-        metavar="FILE",
-        help="require `Authorization: Bearer TOKEN` on the API, TOKEN being what FILE holds (default: the "
-        "TVCACHE_TOKEN variable)",
+    add_token_options(
+        parser,
+        "require `Authorization: Bearer TOKEN` on the API, TOKEN being what FILE holds (default: the TVCACHE_TOKEN "
+        "variable)",
     )
-    who.add_argument("--token", help="as --token-file, but every user of this machine can read it (ps): avoid")
     parser.add_argument(
         "--max-connections",
         type=int,
@@ -72,11 +72,17 @@ def add_server_options(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
 
 
+def add_token_options(parser: argparse.ArgumentParser, help: str) -> None:
+    who = parser.add_mutually_exclusive_group()
+    who.add_argument("--token-file", metavar="FILE", help=help)
+    who.add_argument("--token", help="as --token-file, but every user of this machine can read it (ps): avoid")
+
+
 def server_limits(args: argparse.Namespace) -> dict[str, Any]:
     """The options of `add_server_options` that were given, as keyword arguments of `serve`/`serve_sandboxes`."""
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port must be 1..65535, got {args.port}")
-    limits: dict[str, Any] = {"token": server_token(args)}
+    limits: dict[str, Any] = {"token": given_token(args)}
     if args.max_connections is not None:
         if args.max_connections < 1:
             raise SystemExit(f"tvcache {args.command}: --max-connections must be at least 1")
@@ -88,8 +94,8 @@ def server_limits(args: argparse.Namespace) -> dict[str, Any]:
     return limits
 
 
-def server_token(args: argparse.Namespace) -> str | None:
-    """The token given by --token-file or --token (None: the server reads TVCACHE_TOKEN). A token on the
+def given_token(args: argparse.Namespace) -> str | None:
+    """The token given by --token-file or --token (None: TVCACHE_TOKEN, or the URL's, is used). A token on the
     command line is in every user's `ps`: it still works, for the scripts that pass one, with a warning."""
     command = f"tvcache {args.command}"
     if args.token is not None:
@@ -142,12 +148,13 @@ def run_command(args: argparse.Namespace) -> int:
 
         from .report import fetch_stats, print_stats
 
+        token = given_token(args)
         try:  # an unreachable server or a refused token: one line, no traceback
             if args.json:
-                stats, _ = fetch_stats(args.url, args.token)
+                stats, _ = fetch_stats(args.url, token)
                 print(msgspec.json.format(msgspec.json.encode(stats), indent=2).decode())
             else:
-                print_stats(args.url, args.token)
+                print_stats(args.url, token)
         except RuntimeError as exc:
             raise SystemExit(f"tvcache stats: {exc}") from None
         return 0

@@ -176,13 +176,16 @@ def _protocol(read_timeout: float, cap: int) -> type[asyncio.Protocol]:
 
     Deadlines alone do not stop a slowloris: a thousand trickling clients hold a thousand connections for
     `read_timeout` each, and reconnect. So the server holds at most `cap` connections, and a connection over
-    the cap closes the one that has been waiting longest for a request to arrive: a connection still
-    receiving its request, or idle between requests. A legitimate client sends its request at once and is
-    then being served, not waiting, so it is never the one closed; an attacker's connections are the oldest
-    waiting ones. Only when every connection is busy serving a request is the new one refused (503).
+    the cap closes the one that has waited longest for its first request to arrive (else, if every connection
+    has been served before, the one idle longest between requests). A legitimate client sends its request at
+    once and is then being served, not waiting, so it is never the one closed; an attacker's connections are
+    the oldest waiting ones, and clients' pooled connections go only after them. Only when every connection is
+    busy serving a request is the new one refused (503).
     (uvicorn's own `limit_concurrency` answers 503 to every request over the limit instead, so a slowloris
     holding the connections would refuse everyone else.)"""
-    waiting: dict[Protocol, None] = {}  # connections waiting for a request, longest waiting first
+    # Connections waiting for a request, longest waiting first: those never served yet, then idle ones.
+    fresh: dict[Protocol, None] = {}
+    idle: dict[Protocol, None] = {}
     shed = Shed()
 
     class Protocol(HttpToolsProtocol):
@@ -195,15 +198,16 @@ def _protocol(read_timeout: float, cap: int) -> type[asyncio.Protocol]:
                 transport.write(_AT_CAPACITY)
                 transport.close()
                 return
-            waiting[self] = None
+            fresh[self] = None
             self._arm(self._head_too_slow)
 
         def _make_room(self) -> bool:
-            for other in waiting:  # the longest waiting first
-                del waiting[other]
-                shed.closed()
-                other.transport.close()
-                return True
+            for waiting in (fresh, idle):
+                for other in waiting:  # the longest waiting first
+                    del waiting[other]
+                    shed.closed()
+                    other.transport.close()
+                    return True
             return False
 
         def on_message_begin(self) -> None:
@@ -217,17 +221,19 @@ def _protocol(read_timeout: float, cap: int) -> type[asyncio.Protocol]:
 
         def on_message_complete(self) -> None:
             self._disarm()
-            waiting.pop(self, None)  # being served now
+            fresh.pop(self, None)  # being served now
+            idle.pop(self, None)
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():
-                waiting[self] = None  # idle until its next request
+                idle[self] = None  # until its next request
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            waiting.pop(self, None)
+            fresh.pop(self, None)
+            idle.pop(self, None)
             super().connection_lost(exc)
 
         def _arm(self, handler: Callable[[], None]) -> None:
