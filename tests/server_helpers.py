@@ -34,7 +34,8 @@ def free_port() -> int:
 class Server:
     """`python -m tvcache.server serve` in a subprocess; restartable on the same port and store.
 
-    `prefix` runs it under another command (`ip netns exec NS`), listening on `host`."""
+    `prefix` runs it under another command (`ip netns exec NS`), listening on `host`; `nofile` lowers its limit
+    of open files."""
 
     def __init__(
         self,
@@ -44,8 +45,10 @@ class Server:
         *extra: str,
         host: str = "127.0.0.1",
         prefix: Sequence[str] = (),
+        nofile: int | None = None,
     ):
         self.port = free_port()
+        self.nofile = nofile
         self.store = store
         self.token = token
         self.extra = extra
@@ -67,9 +70,14 @@ class Server:
 
     def start(self) -> Server:
         args = [*self.prefix, sys.executable, "-m", "tvcache.server", *self.command()]
+        if self.nofile is not None:  # as `ulimit -n NOFILE` would: the server's file descriptors, soft and hard
+            args = ["prlimit", f"--nofile={self.nofile}:{self.nofile}", "--", *args]
         args += ["--host", self.host, "--port", str(self.port)]
-        if self.token:
-            args += ["--token", self.token]
+        if self.token:  # as a deployment passes it: in a file only its owner reads, not on the command line
+            token_file = self.log_path.with_suffix(".token")
+            token_file.touch(mode=0o600)
+            token_file.write_text(self.token + "\n")
+            args += ["--token-file", str(token_file)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([*args, *self.extra], stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -212,7 +220,7 @@ def read_until_closed(server: Server, chunks: Sequence[bytes] = (), pause: float
 def assert_slow_clients_are_cut_off(server: Server, path: str) -> None:
     """For a server started with `--read-timeout 1`: connections that send nothing, send their headers a byte at
     a time, or stop sending their body are closed (the last with a 408), and so is the connection of a request
-    refused before its body was read; the server still answers after."""
+    refused before its body was read or answered before its body arrived; the server still answers after."""
     idle = [socket.create_connection((server.host, server.port), timeout=60) for _ in range(100)]
     for sock in idle:  # each closed by the server, not by us: recv() sees the end of the stream
         with sock:
@@ -225,7 +233,55 @@ def assert_slow_clients_are_cut_off(server: Server, path: str) -> None:
     if server.token:
         answer = read_until_closed(server, [head + b"Content-Length: 100\r\n\r\n{", *[b" "] * 30], pause=0.1)
         assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer
+    # A body nobody reads (a GET's), trickled after the answer: the connection is closed all the same.
+    get = b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+    assert read_until_closed(server, [get, *[b" "] * 40], pause=0.1).startswith(b"HTTP/1.1 200")
     assert request(server, "GET", "/healthz", auth=False)[0] == 200
+
+
+async def slowloris(server: Server, connections: int, seconds: float, requests: int) -> tuple[int, int]:
+    """Attack `server` from loopback for `seconds` with `connections` unauthenticated clients that each send a
+    request head a header line a second and, when the server hangs up, connect again; meanwhile send `requests`
+    legitimate GET /healthz, evenly spaced over the attack's last three quarters (after the attackers have
+    connected), each with 5 s to be answered. Returns (answered with a 200, sent). Stops by itself: the attack
+    ends after `seconds` and holds at most `connections` sockets at a time."""
+    host, port = server.host, server.port
+    stop = asyncio.get_running_loop().time() + seconds
+
+    async def attacker(i: int) -> None:
+        while asyncio.get_running_loop().time() < stop:
+            writer = None
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+                while asyncio.get_running_loop().time() < stop and not reader.at_eof():
+                    await asyncio.sleep(1.0)
+                    writer.write(b"X-Slow-%d: x\r\n" % i)
+                    await writer.drain()
+            except OSError:
+                await asyncio.sleep(0.05)  # refused or reset: connect again, not in a hot loop
+            finally:
+                if writer is not None:
+                    writer.close()
+
+    async def legitimate(delay: float) -> bool:
+        await asyncio.sleep(delay)
+        try:
+            async with asyncio.timeout(5):
+                reader, writer = await asyncio.open_connection(host, port)
+                try:
+                    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    return (await reader.read()).startswith(b"HTTP/1.1 200")
+                finally:
+                    writer.close()
+        except (OSError, TimeoutError):
+            return False
+
+    attack = [asyncio.create_task(attacker(i)) for i in range(connections)]
+    ramp = seconds / 4
+    answers = await asyncio.gather(*(legitimate(ramp + i * (seconds - ramp) / requests) for i in range(requests)))
+    await asyncio.gather(*attack)
+    return sum(answers), requests
 
 
 def assert_schemathesis_finds_nothing(server: Server, workdir: Path) -> None:

@@ -99,8 +99,8 @@ def test_serve_without_a_token_on_a_non_loopback_address(tmp_path: Path) -> None
     result = tvcache_command("serve", "--host", "0.0.0.0", "--port", str(port), tmp=tmp_path)
     line = one_line_error(result, code=1)
     assert line == (
-        "tvcache serve: --host 0.0.0.0 is reachable from other machines, so the server needs a token: pass --token "
-        "TOKEN or set TVCACHE_TOKEN (clients then use http://:TOKEN@host:port)"
+        "tvcache serve: 0.0.0.0 is reachable from other machines, so the server needs a token: pass --token-file "
+        "FILE or set TVCACHE_TOKEN (clients then use http://:TOKEN@host:port)"
     )
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         pass  # it never listened
@@ -120,9 +120,54 @@ def test_replay_fails_when_every_call_of_a_strategy_failed(tmp_path: Path) -> No
         assert line.startswith(f"tvcache replay: error: every call of {name} failed (2 calls, 0 timeouts; the first:")
         assert "a SQLite sandbox has one tool, 'sql'; got 'bash'" in line and line.endswith("nothing was measured")
 
-    # One rollout that works is a measurement: exit status 0.
+    # A tool that fails on every call makes the figures meaningless too, though other tools work.
     write_traces(bash, [Trace("t", "r0", "test", [bad]), Trace("t", "r1", "test", [good, good])])
     result = tvcache_command(*replay_args(bash, "--strategies", "none,tvcache"), tmp=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tvcache replay: error: ")]
+    for name, line in zip(("none", "tvcache"), errors, strict=True):
+        assert line.startswith(f"tvcache replay: error: every call of the tool 'bash' under {name} failed (1 calls)")
+        assert "the first: t/r0 call 0 (bash): " in line and "one tool, 'sql'; got 'bash'" in line
+
+    # Calls that all work: a measurement, exit status 0.
+    write_traces(bash, [Trace("t", "r0", "test", [good]), Trace("t", "r1", "test", [good, good])])
+    result = tvcache_command(*replay_args(bash, "--strategies", "none,tvcache"), tmp=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+STRICT_KV = """
+import tvcache
+
+async def run(state, call):
+    if call.tool == "write":
+        state[call.args["key"]] = call.args["value"]
+        return "ok"
+    return state[call.args["key"]]  # read: a KeyError where the key was never written
+
+
+def sandboxes():
+    return tvcache.PythonSandboxes(make=dict, run=run, fingerprint="strict-kv")
+"""
+
+
+def test_replay_fails_when_a_strategy_fails_calls_the_uncached_run_answered(tmp_path: Path) -> None:
+    """A naive cache answers r1's write from r0's entry without writing, so r1's read (another argument, so a
+    miss) raises in r1's sandbox, where the uncached run read the value: the cache broke the rollout."""
+    (tmp_path / "strict_kv.py").write_text(STRICT_KV)
+    traces = tmp_path / "kv.jsonl"
+    write, read = TraceCall("write", {"key": "a", "value": "x"}), TraceCall("read", {"key": "a"})
+    other_read = TraceCall("read", {"key": "a", "again": 1})
+    write_traces(traces, [Trace("t", "r0", "test", [write, read]), Trace("t", "r1", "test", [write, other_read])])
+    argv = ["replay", str(traces), "--sandbox", "python:strict_kv:sandboxes", "--concurrency", "1", "--no-progress"]
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    result = tvcache_command(*argv, "--strategies", "none,naive,tvcache", env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tvcache replay: error: ")]
+    assert errors == [
+        "tvcache replay: error: naive failed 1 calls that the uncached run answered; the first: t/r1 call 1 (read): "
+        "KeyError: 'a'"
+    ], result.stderr
+    result = tvcache_command(*argv, "--strategies", "none,tvcache", env=env)
     assert result.returncode == 0, result.stderr
 
 
@@ -251,7 +296,8 @@ async def _rollouts(url: str) -> dict[str, float]:
 def test_stats_hits_and_hit_rate_come_from_the_same_counts(tmp_path: Path) -> None:
     with Server(tmp_path, "memory://", "stats-token") as server:
         client: dict[str, Any] = asyncio.run(_rollouts(server.token_url))
-        result = tvcache_command("stats", server.url, "--token", "stats-token", tmp=tmp_path)
+        (tmp_path / "stats.token").write_text("stats-token\n")
+        result = tvcache_command("stats", server.url, "--token-file", str(tmp_path / "stats.token"), tmp=tmp_path)
     assert result.returncode == 0, result.stderr
     rows = dict(re.findall(r"^(\s*\S.*?)\s{2,}(\S.*)$", result.stdout, re.M))
     lookups, hits, waited = (

@@ -1,16 +1,19 @@
-"""SkyRL-gym: the `tvcache_text2sql` environment built by `skyrl_gym.make` and stepped on a thread pool as SkyRL's
-generator steps it (the example's driver), on real Spider databases in tvcache's SQLite sandboxes.
+"""SkyRL-gym: SkyRL's own `text2sql` environment next to `tvcache_text2sql`, both built by `skyrl_gym.make` and
+stepped on a thread pool as SkyRL's generator steps them (the example's driver), on real Spider databases.
 
-Oracles: every observation and reward against the same actions executed in a fresh SQLite sandbox without any
-cache; and every reward of a rollout that writes nothing against SkyRL's own `text2sql` environment.
-The model is the one stand-in: a scripted policy behind an OpenAI-compatible endpoint (tests/frameworks.py).
+The parity harness: the same scripted actions, adversarial ones included (a write and then an answer that only the
+write makes right, SQL errors, a statement that times out, malformed and repeated tags, two statements in one
+action, a NUL byte, a huge result, more turns than allowed), and every step output (observations, reward, done,
+metadata) equal byte for byte over two epochs, the second answered from the cache. The model is the one stand-in:
+a scripted policy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,113 +25,70 @@ import tvcache
 
 skyrl_gym = pytest.importorskip("skyrl_gym", reason="needs skyrl-gym (pip install 'tvcache[skyrl]')")
 
-from frameworks import ScriptedLLM, load_example, plan_of  # noqa: E402
+from frameworks import load_example  # noqa: E402
 from tvcache.integrations import skyrl  # noqa: E402
-from tvcache.integrations.skyrl import same_rows_query  # noqa: E402
 
 example = load_example("skyrl_text2sql")
-TMP = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-MAX_TURNS = 5
+sql, solve = example.sql, example.solve
+MAX_TURNS = 4
 GOLD = "SELECT count(*) FROM sänger"  # question 0 of Spider-de dev: "Wie viele Sängerinnen und Sänger haben wir?"
-
-
-def sql(statement: str) -> str:
-    return f"<think>Let me look.</think>\n<sql>{statement}</sql>"
-
-
-def solve(statement: str) -> str:
-    return f"<think>I know it now.</think>\n<solution>{statement}</solution>"
-
-
 TABLES = "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"
+SLOW = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT count(*) FROM n"
+HUGE = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n LIMIT 2000) SELECT i, 'row ' || i FROM n"
 PLANS = [
-    [sql(TABLES), sql("SELECT count(*) FROM sänger"), solve(GOLD)],  # right
+    [sql(TABLES), sql(GOLD), solve(GOLD)],  # right
     [sql(TABLES), solve("SELECT count(*) FROM stadion")],  # wrong table
-    ["I will answer directly.", solve(GOLD)],  # an action without <sql>: the environment says it is invalid
-    [sql("CREATE TEMP VIEW s AS SELECT * FROM sänger"), solve("SELECT count(*) FROM s")],  # writes a view
-    [sql("SELEC count(*) FROM sänger"), solve(GOLD)],  # a syntax error, as an observation
-    [sql("DELETE FROM sänger WHERE sänger_id > 2"), sql("SELECT count(*) FROM sänger"), solve(GOLD)],  # writes
-    [sql(TABLES), sql("SELECT count(*) FROM sänger"), solve(GOLD)],  # plan 0 again
-    [solve(GOLD + " ;")],  # answers at once (the grading statement drops the semicolon)
+    ["I will answer directly.", solve(GOLD)],  # an action without <sql>: SkyRL's "invalid" observation
+    [sql("DELETE FROM sänger"), solve("SELECT 0")],  # the reward hack: a write, then the answer it would make right
+    [sql("DELETE FROM sänger WHERE sänger_id > 2"), sql(GOLD), solve("SELECT 2")],  # a write, read back
+    [sql("CREATE TEMP VIEW s AS SELECT * FROM sänger"), sql("SELECT count(*) FROM s"), solve("SELECT count(*) FROM s")],
+    [sql("SELEC count(*) FROM sänger"), sql("SELECT 1; DELETE FROM sänger"), solve(GOLD)],  # SQL errors
+    [sql("SELECT 'a\0b'"), sql(HUGE), solve(GOLD)],  # a NUL byte; a result SkyRL truncates to 50 rows
+    [sql(TABLES) + sql(GOLD), "<sql>SELECT 1", solve(GOLD) + solve(GOLD)],  # two statements; unclosed; two answers
+    [sql(TABLES)] * (MAX_TURNS + 1),  # never answers: the turn limit ends it
+    [sql(SLOW), solve(GOLD)],  # a statement that runs into SkyRL's 5 s timeout
+    [solve(GOLD + " ;")],  # answers at once
 ]
-WRITES = {3, 5}
-# Plans 0, 2, 4, 6 and 7 end in the untouched database with the same solution: one grading; 1, 3 and 5 their own.
-FINAL_GRADES = 4
+TIMEOUTS = 1
 
 
-def statement(action: str) -> str | None:
-    found = re.search(r"<sql>(.*?)</sql>", action, re.DOTALL)
-    return found.group(1) if found else None
+def run(env_class: str, epochs: int, db_path: str) -> list[list[dict[str, Any]]]:
+    policy = example.ScriptedPolicy({}, PLANS)
+    policy.golds = {row["prompt"][1]["content"]: GOLD for row in example.dataset(1)}
+    result = asyncio.run(
+        example.main(
+            policy,
+            tasks=1,
+            rollouts=len(PLANS),
+            epochs=epochs,
+            max_turns=MAX_TURNS,
+            env_classes=[env_class],
+            db_path=db_path,
+        )
+    )
+    return [group for (group,) in result[env_class]]
 
 
-async def uncached(db_file: str, plan: list[str]) -> tuple[list[str], float]:
-    """The oracle: the plan's statements and its grading executed in order in one fresh sandbox, no cache."""
-    async with tvcache.SQLiteSandboxes(db_file, tmp=TMP) as boxes:
-        box = await boxes.create()
-        observations = []
-        for turn, action in enumerate(plan, start=1):
-            if "<solution>" in action:
-                break
-            query = statement(action)
-            reminder = f"<reminder>You have {MAX_TURNS - turn} turns left to complete the task.</reminder>"
-            if query is None:
-                text = skyrl.INVALID_ACTION
-            else:
-                text = str((await box.execute(tvcache.ToolCall("sql", {"query": query}))).output)
-            observations.append(f"\n\n<observation>{text}\n{reminder}</observation>\n\n")
-        predicted = re.search(r"<solution>(.*?)</solution>", plan[-1], re.DOTALL)
-        assert predicted is not None
-        graded = await box.execute(tvcache.ToolCall("sql", {"query": same_rows_query(predicted.group(1), GOLD)}))
-        await box.close()
-        return observations, 1.0 if skyrl.answers_one(str(graded.output)) else 0.0
-
-
-def skyrl_reward(db_path: str, row: dict[str, Any], plan: list[str]) -> float:
-    """SkyRL's own text2sql environment on the same actions (its statements rolled back, the original file)."""
-    env = skyrl_gym.make("text2sql", env_config=DictConfig({"db_path": db_path}), extras=dict(row["env_extras"]))
-    env.init(row["prompt"])
-    reward = 0.0
-    for action in plan:
-        step = env.step(action)
-        reward = step["reward"]
-        if step["done"]:
-            break
-    env.close()
-    return float(reward)
-
-
-def test_skyrl_text2sql_through_tvcache_matches_uncached_and_skyrl_rewards() -> None:
-    async def main() -> list[list[list[dict[str, Any]]]]:
-        async with ScriptedLLM(PLANS) as llm:
-            return await example.main(llm.url, "scripted-policy", tasks=1, rollouts=len(PLANS), max_turns=MAX_TURNS)
-
-    epochs = asyncio.run(main())
-    (row,) = example.dataset(1)
-    with tempfile.TemporaryDirectory() as db_path:
-        example.layout(db_path)
-        db_file = f"{db_path}/spider/database/concert_singer/concert_singer.sqlite"
-        oracle = [asyncio.run(uncached(db_file, plan)) for plan in PLANS]
-        skyrl_rewards = [skyrl_reward(db_path, row, plan) for plan in PLANS]
-    assert [reward for _, reward in oracle] == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    assert oracle[5][0][1] != oracle[0][0][1]  # after the DELETE the same count answers differently
-    for k in set(range(len(PLANS))) - WRITES:
-        assert skyrl_rewards[k] == oracle[k][1], k  # the reward SkyRL's own environment computes
-    assert skyrl_rewards[3] == 0.0  # SkyRL rolls the view back; the rollout's own database keeps it
-
-    for epoch, (group,) in enumerate(epochs):
-        by_plan = {plan_of(t["actions"][0]["content"]): t for t in group}
-        assert sorted(by_plan) == list(range(len(PLANS)))
-        for k, t in by_plan.items():
-            observations, reward = oracle[k]
-            assert t["observations"] == observations, (epoch, k)
-            assert t["reward"] == reward, (epoch, k)
-        graded_here = [t for t in group if not t["tvcache_graded_from_cache"]]
-        if epoch == 0:
-            assert len(graded_here) == FINAL_GRADES  # rollouts that end alike are graded once
-            assert 0 < sum(t["tvcache_hits"] for t in group) < sum(t["tvcache_calls"] for t in group)
-        else:
-            assert not graded_here
-            assert all(t["tvcache_hits"] == t["tvcache_calls"] for t in group)  # every call of epoch 2 hits
+def test_tvcache_text2sql_steps_as_skyrl_text2sql_byte_for_byte(tmp_path: Path) -> None:
+    (plain,) = run("text2sql", 1, str(tmp_path))  # one db_path: SkyRL's error messages name the database file
+    cached = run("tvcache_text2sql", 2, str(tmp_path))
+    rewards = [t["reward"] for t in plain]
+    # Rewards as SkyRL pays them: the hack (plan 3) earns nothing, since SkyRL rolled the DELETE back.
+    assert rewards == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, -1.0, -1.0, 1.0, 1.0]
+    for epoch, group in enumerate(cached):
+        for k, (mine, theirs) in enumerate(zip(group, plain, strict=True)):
+            assert mine["steps"] == theirs["steps"], (epoch, k)
+            assert [repr(s["reward"]) for s in mine["steps"]] == [repr(s["reward"]) for s in theirs["steps"]]
+    texts = [o["content"] for t in plain for s in t["steps"] for o in s["observations"]]
+    assert any("no such table: s" in t for t in texts) and any("Truncated to 50 lines" in t for t in texts)
+    assert any(t.startswith(f"\n\n<observation>SQL Timeout:\n{SLOW}") for t in texts)
+    assert any("the query contains a null character" in t for t in texts)
+    first, second = cached
+    calls = sum(t["tvcache_calls"] for t in second)
+    assert sum(t["tvcache_hits"] for t in first) > 0  # plans repeat statements within the first epoch
+    # The second epoch is answered from the cache, but for the statement that timed out (never cached).
+    assert sum(t["tvcache_hits"] for t in second) == calls - TIMEOUTS
+    assert all(t["tvcache_graded_from_cache"] for t in second if "tvcache_graded_from_cache" in t)
 
 
 def test_task_ids_come_from_the_row_and_its_prompt() -> None:
@@ -149,17 +109,27 @@ def test_task_ids_come_from_the_row_and_its_prompt() -> None:
     assert first != other  # another question
 
 
-def test_a_failing_statement_is_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A runaway query times out: SkyRL's "SQL Timeout" observation, a failure that is never cached.
-    monkeypatch.setattr(skyrl, "SQL_TIMEOUT", 0.5)  # a factory for this db_path is made with it
-    (row,) = example.dataset(1)
-    config = DictConfig({"db_path": example.layout(str(tmp_path))})
-    slow = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT count(*) FROM n"
-    for _ in range(2):
-        env = skyrl_gym.make("tvcache_text2sql", env_config=config, extras=dict(row["env_extras"]))
-        env.init(row["prompt"])
-        observation = env.step(sql(slow))["observations"][0]["content"]
-        metrics = env.get_metrics()
-        env.close()
-        assert observation.startswith(f"\n\n<observation>SQL Timeout:\n{slow}")
-        assert metrics["tvcache_calls"] == 1 and metrics["tvcache_hits"] == 0
+def test_the_sandbox_refuses_bad_calls_and_goes_on(tmp_path: Path) -> None:
+    db_path = example.layout(str(tmp_path))
+
+    async def go() -> list[tvcache.Outcome]:
+        async with skyrl.Text2SQLSandboxes(f"{db_path}/spider/database", "concert_singer") as boxes:
+            box = await boxes.create()
+            calls = [("sql", {"query": 5}), ("sql", "not json"), ("bash", {"command": "ls"}), ("sql", {"query": GOLD})]
+            return [await box.execute(tvcache.ToolCall(tool, args)) for tool, args in calls]
+
+    *bad, good = asyncio.run(go())
+    assert all(o.error and o.changed is False and str(o.output).startswith("Error: the skyrl-sql") for o in bad)
+    assert not good.error and "6" in str(good.output)
+
+
+def test_the_example_runs_without_arguments() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(skyrl.__file__).parents[2]), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, str(Path(example.__file__))], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["text2sql"] * 2 + ["tvcache_text2sql"] * 2
+    assert lines[0].split("rewards")[1] == lines[2].split("rewards")[1].split(";")[0]  # the same rewards
+    assert lines[3].endswith("SQL calls from the cache") and "of" in lines[3]

@@ -296,8 +296,16 @@ def test_timeouts_and_crashes_end_the_rollout_and_are_reported() -> None:
     for run in result.strategies.values():
         assert run.timeouts == 1 and run.failed_rollouts == 1, run.name
         assert run.errors == 2 and run.skipped == 3 and run.calls == 4
-        assert run.first_error is not None and "the tool crashed" in run.first_error
+        timed_out = "t/slow call 1 (sleep): timed out after 0.05 s"
+        crashed = "t/crash call 1 (crash): RuntimeError: the tool crashed"
+        assert run.first_error in (timed_out, crashed)  # whichever came first
+        assert run.tool_errors == {"sleep": 1, "crash": 1}
+        assert sorted(run.problems()) == [
+            f"every call of the tool 'crash' under {run.name} failed (1 calls); the first: {crashed}",
+            f"every call of the tool 'sleep' under {run.name} failed (1 calls); the first: {timed_out}",
+        ]
     assert result.strategies["tvcache"].incorrect_hits == 0
+    assert result.strategies["tvcache"].lost == 0  # it failed only where the uncached run failed
 
 
 # -- reports and the command line ------------------------------------------------------------------------------

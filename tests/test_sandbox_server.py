@@ -27,7 +27,13 @@ import kv
 import tvcache
 from docker_env import docker_base_fixture, task_image_fixture  # noqa: F401  (fixtures)
 from sandbox_oracle import check_snapshots_against_fresh_replay
-from server_helpers import SandboxServer, assert_schemathesis_finds_nothing, assert_slow_clients_are_cut_off, request
+from server_helpers import (
+    SandboxServer,
+    assert_schemathesis_finds_nothing,
+    assert_slow_clients_are_cut_off,
+    request,
+    slowloris,
+)
 from test_oracle import SQL_READS, SQL_WRITES, run_plan, small_db, sql_plan  # noqa: F401  (small_db: a fixture)
 from tvcache import SandboxError, ToolCall
 
@@ -414,6 +420,13 @@ def test_a_wrong_token_is_refused_before_anything_runs(pair: list[SandboxServer]
 def test_slow_clients_are_cut_off(tmp_path: Path, db: Path) -> None:
     with sqlite_server(tmp_path, db, "--read-timeout", "1") as server:
         assert_slow_clients_are_cut_off(server, "/v1/create")
+
+
+def test_a_slowloris_from_loopback_leaves_legitimate_requests_served(tmp_path: Path, db: Path) -> None:
+    """As for the cache server (tests/test_server.py): a server that runs commands must stay reachable too."""
+    with SandboxServer(tmp_path, ["--sandbox", "sqlite", "--base", str(db)], TOKEN, nofile=1024) as server:
+        served, sent = asyncio.run(slowloris(server, connections=1100, seconds=12, requests=40))
+        assert served >= 0.95 * sent, f"{served} of {sent} legitimate requests answered during the attack"
 
 
 def test_command_line_refusals(db: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
 import os
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from server_helpers import (
     assert_slow_clients_are_cut_off,
     finish_client,
     request,
+    slowloris,
     spawn_client,
     stats,
 )
@@ -284,6 +286,47 @@ def test_auth_needs_the_token_when_one_is_set(tmp_path: Path) -> None:
         asyncio.run(main())
 
 
+def test_the_token_comes_from_a_file_or_the_environment_and_not_from_ps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--token-file and TVCACHE_TOKEN keep the token out of the command line every user can read; --token still
+    works, with a warning; a file that cannot serve as a token is refused before the server starts."""
+
+    def authenticates(server: Server, token: str) -> bool:
+        assert request(server, "GET", "/v1/stats", headers={"Authorization": "Bearer wrong"})[0] == 401
+        return request(server, "GET", "/v1/stats", headers={"Authorization": f"Bearer {token}"})[0] == 200
+
+    def command_line(server: Server) -> bytes:
+        assert server.proc is not None
+        return Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()
+
+    with Server(tmp_path, "memory://", TOKEN) as server:  # the helper passes --token-file
+        assert authenticates(server, TOKEN) and TOKEN.encode() not in command_line(server)
+        assert "is visible to every user" not in server.log()
+    monkeypatch.setenv("TVCACHE_TOKEN", "from-the-environment")
+    with Server(tmp_path) as server:
+        assert authenticates(server, "from-the-environment") and b"from-the-environment" not in command_line(server)
+    monkeypatch.delenv("TVCACHE_TOKEN")
+    with Server(tmp_path, "memory://", None, "--token", "on-the-command-line") as server:
+        assert authenticates(server, "on-the-command-line")
+        assert "--token is visible to every user" in server.log()
+
+    def refusal(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "tvcache.server", "serve", *args], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        return done.stderr
+
+    assert "cannot read" in refusal("--token-file", str(tmp_path / "missing"))
+    for content in ("", "\n", "two words\n", "two\nlines\n"):
+        (tmp_path / "bad").write_text(content)
+        assert "must hold the token alone" in refusal("--token-file", str(tmp_path / "bad"))
+    (tmp_path / "good").write_text(TOKEN)
+    assert "not allowed with" in refusal("--token-file", str(tmp_path / "good"), "--token", TOKEN)
+    assert "--token-file FILE or set TVCACHE_TOKEN" in refusal("--host", "0.0.0.0")
+
+
 def test_oversized_requests_are_refused_and_change_nothing(tmp_path: Path) -> None:
     with Server(tmp_path, "memory://", None, "--max-body-mb", str(8192 / 2**20)) as server:
         record = {"scope_key": KEY, "node": b64(ROOT), "digest": b64(DIGEST)}
@@ -474,3 +517,19 @@ def test_schemathesis_finds_no_failure_in_the_api(tmp_path: Path) -> None:
     # Short waits, so fuzzed waits on fuzzed claims return at once rather than after their timeouts.
     with Server(tmp_path, "memory://", TOKEN, "--max-wait", "0.2") as server:
         assert_schemathesis_finds_nothing(server, tmp_path)
+
+
+def test_a_slowloris_from_loopback_leaves_legitimate_requests_served(tmp_path: Path) -> None:
+    """1,100 connections trickling their headers at a server that may open 1,024 files (the finding of issue
+    19): at least 95% of the legitimate requests made meanwhile are answered, and a client's pooled connection,
+    idle during the attack, is still open after it."""
+    with Server(tmp_path, nofile=1024) as server:
+        pooled = http.client.HTTPConnection(server.host, server.port, timeout=30)
+        pooled.request("GET", "/healthz")
+        assert pooled.getresponse().read() and pooled.sock is not None
+        local = pooled.sock.getsockname()
+        served, sent = asyncio.run(slowloris(server, connections=1100, seconds=12, requests=40))
+        assert served >= 0.95 * sent, f"{served} of {sent} legitimate requests answered during the attack"
+        pooled.request("GET", "/healthz")  # on the same connection: the server did not close it under attack
+        assert pooled.getresponse().status == 200 and pooled.sock.getsockname() == local
+        pooled.close()

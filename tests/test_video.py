@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import shutil
 import sqlite3
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +159,58 @@ def test_bad_input_is_an_answer_and_changes_nothing(boxes: VideoSandboxes) -> No
         await box.close()
 
     asyncio.run(go())
+
+
+IN_A_VENV = """
+import asyncio, json, sys
+from pathlib import Path
+from tvcache.calls import ToolCall
+from tvcache_bench.workloads.video.clips import Catalogue
+from tvcache_bench.workloads.video.sandbox import VideoSandboxes
+
+async def main():
+    directory = Path(sys.argv[1])
+    catalogue = Catalogue(directory, (), json.loads((directory / "catalogue.json").read_text()))
+    boxes = VideoSandboxes(catalogue, timeout=120, tmp="/dev/shm")
+    try:
+        box = await boxes.create()
+        outcomes = [await box.execute(ToolCall(*c)) for c in (("load_video", {"video": "alpha"}), ("preprocess", {}))]
+        await box.close()
+    finally:
+        await boxes.close()
+    print(json.dumps({"prefix": sys.prefix, "outcomes": [[o.output, o.error] for o in outcomes]}))
+
+asyncio.run(main())
+"""
+
+
+def test_preprocess_works_from_a_venv_under_tmp(
+    videos: video_bench.Videos, boxes: VideoSandboxes, tmp_path: Path
+) -> None:
+    """A venv under /tmp (which a sandbox sees empty), on the system's packages: preprocess runs the venv's own
+    interpreter in the sandbox, and answers as from the interpreter the tests run in."""
+    venv = tmp_path / "venv"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", IN_A_VENV, str(videos.catalogue.directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["prefix"] == str(venv)  # the premise: the tools ran from the venv
+
+    async def here() -> list[list[Any]]:
+        box = await boxes.create()
+        outcomes = [await box.execute(c) for c in (call("load_video", video="alpha"), call("preprocess"))]
+        await box.close()
+        return [[o.output, o.error] for o in outcomes]
+
+    expected = asyncio.run(here())
+    assert expected[1][1] is False and "segments" in expected[1][0]
+    assert got["outcomes"] == expected
 
 
 def test_a_restored_snapshot_carries_the_preprocessed_video(boxes: VideoSandboxes) -> None:

@@ -128,7 +128,8 @@ def add_commands(subparsers: Any) -> None:
 def run_command(args: argparse.Namespace) -> int:
     """Run `tvcache bench` or `tvcache replay`. A mistake that can be seen before any work (an option that does
     not apply, a bad store URL or --base, a missing extra or benchmark data) is one line on stderr and exit
-    status 2; a run in which every call of a strategy failed measured nothing and exits with status 1."""
+    status 2; a run whose figures mean nothing (see `_failed_strategies`) exits with status 1, naming the first
+    error."""
     command = f"tvcache {args.command}" + (f" {args.workload}" if args.command == "bench" else "")
     try:
         _check(args, command)
@@ -200,17 +201,12 @@ def _fail(command: str, message: str) -> NoReturn:
 
 
 def _failed_strategies(command: str, summary: Any) -> int:
-    """1, saying so on stderr, if every call of some strategy failed (a wrong --sandbox or --base, say): such a
-    run measured nothing. Else 0."""
+    """1, saying so on stderr, if some strategy's run has problems (`StrategyRun.problems`: every call failed, a
+    tool failed on every call, calls failed that the uncached run answered): its figures mean nothing. Else 0."""
     rows = summary.get("strategies", {}) if isinstance(summary, dict) else {}
-    failed = [(name, row) for name, row in rows.items() if row["calls"] and row["errors"] == row["calls"]]
-    for name, row in failed:
-        first = f"; the first: {row['first_error']}" if row.get("first_error") else ""
-        print(
-            f"{command}: error: every call of {name} failed ({row['calls']} calls, {row['timeouts']} timeouts"
-            f"{first}), so nothing was measured",
-            file=sys.stderr,
-        )
+    failed = [problem for row in rows.values() for problem in row.get("problems", ())]
+    for problem in failed:
+        print(f"{command}: error: {problem}", file=sys.stderr)
     if isinstance(summary, dict) and summary.get("identical") is False:  # tvcache bench grpo
         print(f"{command}: error: the rewards with tvcache differ from those without it", file=sys.stderr)
         return 1

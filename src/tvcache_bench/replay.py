@@ -134,11 +134,37 @@ class StrategyRun:
     epoch_hits: list[int] = field(default_factory=list)
     tool_calls: dict[str, int] = field(default_factory=dict)  # per tool name: calls answered or failed
     tool_hits: dict[str, int] = field(default_factory=dict)  # per tool name: hits among them
+    tool_errors: dict[str, int] = field(default_factory=dict)  # per tool name: failed calls among them
+    tool_first_errors: dict[str, str] = field(default_factory=dict)  # per tool name: its first failure
+    lost: int | None = None  # calls that failed where the uncached run (none) answered them
+    first_lost: str | None = None
     wall_seconds: float = 0.0
     peak_memory_bytes: int | None = None
     stats: dict[str, float] = field(default_factory=dict)
     examples: list[dict[str, Any]] = field(default_factory=list)  # a few wrong answers, for people
-    first_error: str | None = None
+    first_error: str | None = None  # the first failed call or rollout, and what it said
+
+    def problems(self) -> list[str]:
+        """Why this run measured nothing worth a table: every call failed; a tool failed on every call (it
+        cannot run here at all: a missing interpreter, a wrong --sandbox); calls failed that the uncached run
+        answered (the strategy broke them). Empty when there is none of these."""
+        if self.calls and self.errors == self.calls:
+            first = f"; the first: {self.first_error}" if self.first_error else ""
+            return [
+                f"every call of {self.name} failed ({self.calls} calls, {self.timeouts} timeouts{first}), so "
+                "nothing was measured"
+            ]
+        problems = [
+            f"every call of the tool {tool!r} under {self.name} failed ({failed} calls); the first: "
+            f"{self.tool_first_errors[tool]}"
+            for tool, failed in self.tool_errors.items()
+            if failed == self.tool_calls[tool]
+        ]
+        if self.lost:
+            problems.append(
+                f"{self.name} failed {self.lost} calls that the uncached run answered; the first: {self.first_lost}"
+            )
+        return problems
 
     @property
     def hit_rate(self) -> float:
@@ -154,7 +180,12 @@ class StrategyRun:
     def tool_hit_rates(self) -> dict[str, dict[str, Any]]:
         """Per tool, in order of first call: calls, hits and hit rate (the published paper's Figure 12)."""
         return {
-            tool: {"calls": calls, "hits": self.tool_hits.get(tool, 0), "hit_rate": self.tool_hits.get(tool, 0) / calls}
+            tool: {
+                "calls": calls,
+                "hits": self.tool_hits.get(tool, 0),
+                "hit_rate": self.tool_hits.get(tool, 0) / calls,
+                "errors": self.tool_errors.get(tool, 0),
+            }
             for tool, calls in self.tool_calls.items()
         }
 
@@ -201,6 +232,8 @@ class StrategyRun:
             "stats": self.stats,
             "wrong_examples": self.examples,
             "first_error": self.first_error,
+            "failed_where_uncached_answered": self.lost,
+            "problems": self.problems(),
         }
 
 
@@ -351,7 +384,7 @@ class _Engine:
         self.mismatches: list[_Mismatch] = []
         self.closed = False
         if oracle is not None:
-            run.compared = run.incorrect_hits = run.wrong_answers = run.nondeterministic = 0
+            run.compared = run.incorrect_hits = run.wrong_answers = run.nondeterministic = run.lost = 0
 
     async def timed_step(self, steps: Sequence[Step], i: int) -> None:
         """Run step `i`, adding its wall time to the run's and the memory it grew by to the run's peak."""
@@ -385,23 +418,26 @@ class _Engine:
                             result = await asyncio.wait_for(r.call(c.tool, c.args), self.options.timeout)
                         except TimeoutError:
                             self.run_.timeouts += 1
-                            self.count(epoch, index, i, None, time.perf_counter() - start)
+                            why = f"timed out after {self.options.timeout:g} s"
+                            self.count(epoch, index, i, None, time.perf_counter() - start, why)
                             answered = i + 1
                             break  # the sandbox's state is unknown now: the rollout ends, as it would in training
                         self.count(epoch, index, i, result, time.perf_counter() - start)
                         answered = i + 1
             except Exception as exc:
                 self.run_.failed_rollouts += 1
-                if self.run_.first_error is None:
-                    self.run_.first_error = f"{trace.task}/{trace.rollout} call {answered}: {type(exc).__name__}: {exc}"
+                why = f"{type(exc).__name__}: {exc}"
                 if answered < len(trace.calls):  # the call that raised is a failed answer
-                    self.count(epoch, index, answered, None, time.perf_counter() - start)
+                    self.count(epoch, index, answered, None, time.perf_counter() - start, why)
                     answered += 1
+                elif self.run_.first_error is None:  # raised on the way out, after its last call
+                    self.run_.first_error = f"{trace.task}/{trace.rollout} after its last call: {why}"
         self.run_.skipped += len(trace.calls) - answered
         for _ in range(len(trace.calls) - answered):
             self.advance()
 
-    def count(self, epoch: int, index: int, call: int, result: Result | None, seconds: float) -> None:
+    def count(self, epoch: int, index: int, call: int, result: Result | None, seconds: float, why: str = "") -> None:
+        """Count call `call` of rollout `index`: its answer `result`, or None when it failed with `why`."""
         run = self.run_
         run.calls += 1
         run.epoch_calls[epoch] += 1
@@ -410,9 +446,7 @@ class _Engine:
         run.tool_calls[tool] = run.tool_calls.get(tool, 0) + 1
         self.advance()
         if result is None or result.error:
-            run.errors += 1
-            if self.oracle_out is not None:
-                self.oracle_out[(epoch, index, call)] = None
+            self.failed(epoch, index, call, why if result is None else str(result.output))
             return
         if result.hit:
             run.hits += 1
@@ -431,6 +465,24 @@ class _Engine:
         run.compared += 1
         if answer != expected:
             self.mismatches.append(_Mismatch(epoch, index, call, result.hit, answer, str(result.output)[:200]))
+
+    def failed(self, epoch: int, index: int, call: int, why: str) -> None:
+        run = self.run_
+        trace = self.workload.traces[index]
+        tool = trace.calls[call].tool
+        where = f"{trace.task}/{trace.rollout} call {call} ({tool}): {why[:500]}"
+        run.errors += 1
+        run.tool_errors[tool] = run.tool_errors.get(tool, 0) + 1
+        run.tool_first_errors.setdefault(tool, where)
+        if run.first_error is None:
+            run.first_error = where
+        if self.oracle_out is not None:
+            self.oracle_out[(epoch, index, call)] = None
+        if self.oracle is not None and self.oracle.get((epoch, index, call)) is not None:
+            assert run.lost is not None
+            run.lost += 1
+            if run.first_lost is None:
+                run.first_lost = where
 
 
 @dataclass(frozen=True, slots=True)

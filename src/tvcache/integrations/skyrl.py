@@ -17,18 +17,20 @@ so the rollouts of a prompt share one graph across epochs; two rows differing in
 about one database with the same gold query included).
 
 **The worked example**, `Text2SQLEnv`, registered as `env_class: tvcache_text2sql`, is SkyRL-SQL's `text2sql`
-environment (the same dataset rows, `env_config.db_path` layout, prompts, `<sql>` actions, observations with turn
-reminders, `<solution>` parsing and rewards) with its statements executed in tvcache's `SQLiteSandboxes`, one
-private copy of the database per rollout. Three differences from SkyRL's own, all deliberate:
+environment itself (a subclass of it: the same dataset rows, `env_config.db_path` layout, prompts, parsing, turn
+counting, `done` and step outputs) whose statements and reward go through tvcache. On a miss they run SkyRL-gym's
+own code, in `Text2SQLSandboxes`: the `sql` tool of its `SQLCodeExecutorToolGroup` (each statement in a
+transaction that is rolled back, on the dataset's database file, with SkyRL's timeout, error messages, pandas
+table and truncation) and its `compute_score_single` reward. Since SkyRL rolls every statement back, no statement
+changes the database: every call is a memo on the task's one state, answered from the cache in any order, and a
+statement that writes (`DELETE FROM t`) is as invisible to later ones, and to the reward, as it is in SkyRL.
+The tests run SkyRL's `text2sql` next to `tvcache_text2sql` on the same actions and compare every observation and
+reward byte for byte.
 
-- Tables are SQLiteSandboxes' text tables, rows in SQLite's order (SkyRL prints a pandas frame of a `frozenset`,
-  whose row order changes between processes); SQL errors read `Error: <message>`.
-- A statement that writes (`CREATE TEMP VIEW`, `INSERT`, ...) changes the rollout's own database for its later
-  statements (SkyRL rolls every statement back).
-- The reward is computed on the rollout's final state, as one cached statement that compares the solution's rows
-  with the gold query's as sets, both directions of `EXCEPT` (SkyRL compares `frozenset`s of rows from the original
-  file): rollouts that end in the same state with the same solution are graded once. For rollouts that do not
-  write, the reward equals SkyRL's; the tests check it.
+What tvcache does not reproduce: SkyRL prints a `frozenset` of the rows, whose order depends on the process's
+string hash seed; a cached table has the order of the process that ran it first (SkyRL itself differs between
+two processes). A statement that times out, or finds the database locked by another rollout's write, answers as
+in SkyRL and is not cached.
 
 Importing this module registers it: import it in the process that builds environments (SkyRL's entrypoint, where
 custom environments are registered), then select it with `env_class: tvcache_text2sql`.
@@ -36,6 +38,11 @@ custom environments are registered), then select it with `env_class: tvcache_tex
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import importlib.metadata
+import os
+import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -46,25 +53,27 @@ require("skyrl", "tvcache.integrations.skyrl", "skyrl_gym")
 import skyrl_gym  # noqa: E402
 from skyrl_gym.envs.base_text_env import BaseTextEnv  # noqa: E402
 from skyrl_gym.envs.sql.env import SQLEnv  # noqa: E402
-from skyrl_gym.envs.sql.utils import verify_format_and_extract  # noqa: E402
+from skyrl_gym.envs.sql.utils import compute_score_single, verify_format_and_extract  # noqa: E402
+from skyrl_gym.tools import SQLCodeExecutorToolGroup  # noqa: E402
 
-from ..calls import Args, Tools  # noqa: E402
+from ..calls import Args, ToolCall, Tools  # noqa: E402
 from ..rollout import Result  # noqa: E402
-from ..sandboxes.base import Sandboxes  # noqa: E402
-from ..sandboxes.sqlite import SQLiteSandboxes  # noqa: E402
+from ..sandboxes.base import Outcome, Sandboxes, refusal  # noqa: E402
+from ..sandboxes.lifecycle import ManagedSandbox, ManagedSandboxes  # noqa: E402
 from ..sync import SyncRollout  # noqa: E402
 from .keys import task_key  # noqa: E402
 from .process import process_sandboxes, process_sync_cache  # noqa: E402
 
-__all__ = ["CachedTextEnv", "Text2SQLEnv", "answers_one", "same_rows_query"]
+__all__ = ["CachedTextEnv", "Text2SQLEnv", "Text2SQLSandboxes"]
 
 ENV_ID = "tvcache_text2sql"
-#: Seconds per statement, as SkyRL-SQL's tool allows.
+#: Seconds per statement: the default of SkyRL-SQL's `sql` tool, which its environment uses.
 SQL_TIMEOUT = 5.0
-#: SkyRL-SQL's observation for an action without a <sql> statement.
-INVALID_ACTION = (
-    "Your previous action is invalid. Follow the format of outputting thinking process and sql tool, and try again."
-)
+#: Seconds per query of the reward: `calculate_reward_single`'s default.
+REWARD_TIMEOUT = 30.0
+#: What the sandbox passes SkyRL's tool as `turns_left`: the tool formats it into the observation's reminder, and
+#: the environment puts the rollout's own number there, so that one cached observation serves every turn.
+TURNS = "\0turns\0"
 
 
 class CachedTextEnv(BaseTextEnv):
@@ -149,37 +158,99 @@ class CachedTextEnv(BaseTextEnv):
         return self._tvcache_rollout
 
 
-def same_rows_query(predicted: str, gold: str) -> str:
-    """One statement answering `1` when `predicted` and `gold` return the same set of rows, else `0` (an error
-    when either does not run, or their column counts differ)."""
-    a, b = (q.strip().rstrip(";").strip() for q in (predicted, gold))
-    left, right = f"SELECT * FROM (\n{a}\n)", f"SELECT * FROM (\n{b}\n)"
-    return f"SELECT NOT EXISTS ({left} EXCEPT {right}) AND NOT EXISTS ({right} EXCEPT {left}) AS same_rows"
+class Text2SQLSandboxes(ManagedSandboxes["_Text2SQLSandbox", None]):
+    """SkyRL-SQL's statements and reward on one database, as a tvcache sandbox factory; see the module docstring.
+
+    Tools: `sql` `{"query": str}` answers SkyRL's observation of the statement (its `<reminder>` naming `TURNS`
+    turns), `reward` `{"predicted": str, "gold": str}` answers SkyRL's score. Both run on the database file itself,
+    as SkyRL's do, and roll back everything: the state never changes, so a snapshot is a name. The fingerprint
+    covers the file's path (SkyRL's error messages show it) and content, and the versions of skyrl-gym and pandas
+    (which print the tables)."""
+
+    kind = "skyrl-sql"
+
+    def __init__(self, db_path: str, db_id: str, *, timeout: float = SQL_TIMEOUT) -> None:
+        super().__init__()
+        self.db_file = os.path.join(db_path, db_id, db_id + ".sqlite")
+        self._db_id, self._timeout = db_id, timeout
+        self._tools = SQLCodeExecutorToolGroup(db_file_path=db_path)
+        h = hashlib.blake2b(digest_size=16)
+        versions = (importlib.metadata.version(p) for p in ("skyrl-gym", "pandas"))
+        h.update(f"{self.db_file}\0{timeout!r}\0{' '.join(versions)}\0".encode())
+        with open(self.db_file, "rb") as f:
+            h.update(hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).digest())
+        self._fingerprint = f"skyrl-sql-{h.hexdigest()}"
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    async def create(self) -> _Text2SQLSandbox:
+        self._check_open()
+        return _Text2SQLSandbox(self)
+
+    async def restore(self, snapshot_id: str) -> _Text2SQLSandbox:
+        self._lookup(snapshot_id)
+        return _Text2SQLSandbox(self)
+
+    async def delete(self, snapshot_id: str) -> None:
+        self._forget(snapshot_id)
+
+    def _run(self, call: ToolCall) -> Outcome:
+        """One call, on a worker thread (SkyRL's code blocks while its own thread runs the statement)."""
+        args = call.args if isinstance(call.args, dict) else {}
+        start = time.monotonic()
+        if call.tool == "sql" and set(args) == {"query"} and isinstance(args["query"], str):
+            text = self._tools.sql(self._db_id, args["query"], TURNS, timeout=self._timeout)
+            # A timeout, or a lock held by a concurrent rollout's uncommitted write, is an answer of the moment.
+            passing = time.monotonic() - start >= self._timeout or "database is locked" in text
+            return Outcome(text, changed=False, error=passing)
+        if (
+            call.tool == "reward"
+            and set(args) == {"predicted", "gold"}
+            and all(isinstance(v, str) for v in args.values())
+        ):
+            # The predicted query as the one solution of a well-formed completion, which SkyRL's reward extracts
+            # again exactly (it was extracted from one): the reward is SkyRL's own function, whole.
+            completion = f"<think></think><solution>{args['predicted']}</solution>"
+            score = compute_score_single(completion, args["gold"], self.db_file)
+            return Outcome(score, changed=False, error=time.monotonic() - start >= REWARD_TIMEOUT)
+        return refusal(
+            f'the skyrl-sql sandbox has the tools sql {{"query": str}} and reward {{"predicted": str, "gold": str}}; '
+            f"got {call.key[:200]}"
+        )
 
 
-def answers_one(table: str) -> bool:
-    """Whether an SQL output is a one-column, one-row table holding 1 (what `same_rows_query` answers when the
-    rows are the same)."""
-    lines = table.split("\n")
-    return len(lines) == 2 and lines[1].strip() == "1"
+class _Text2SQLSandbox(ManagedSandbox):
+    def __init__(self, factory: Text2SQLSandboxes) -> None:
+        super().__init__(factory)
+        self._factory = factory
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        async with self._turn():
+            return await asyncio.to_thread(self._factory._run, call)
+
+    async def snapshot(self) -> str:
+        async with self._turn():
+            return self._factory._keep(None)
 
 
 class Text2SQLEnv(CachedTextEnv, SQLEnv):
-    """SkyRL-SQL's text2sql environment on tvcache's SQLite sandboxes; see the module docstring."""
+    """SkyRL-SQL's text2sql environment with its statements and reward through tvcache; see the module docstring."""
+
+    tvcache_tools = Tools(read_only={"sql", "reward"})
 
     def tvcache_sandboxes(self) -> Sandboxes:
-        db_file = self.db_file
-        return process_sandboxes(("sqlite", db_file), lambda: SQLiteSandboxes(db_file, timeout=SQL_TIMEOUT))
+        db_path, db_id = self.db_path, self.db_id  # as SkyRL's tool group gets them
+        return process_sandboxes(("skyrl-sql", self.db_file), lambda: Text2SQLSandboxes(db_path, db_id))
 
     def _execute_tool(self, tool_group_name: str, tool_name: str, tool_input: Any) -> str:
         _, sql, turns_left = tool_input
-        reminder = f"<reminder>You have {turns_left} turns left to complete the task.</reminder>"
-        if sql is None:
-            observation = INVALID_ACTION
-        else:
-            result = self.tool_call("sql", {"query": sql})
-            observation = f"SQL Timeout:\n{sql}" if result.error else str(result.output)
-        return f"\n\n<observation>{observation}\n{reminder}</observation>\n\n"
+        if sql is None:  # SkyRL's tool answers that the action is invalid, without touching the database
+            return str(BaseTextEnv._execute_tool(self, tool_group_name, tool_name, tool_input))
+        observation = str(self.tool_call("sql", {"query": sql}).output)
+        before, _, after = observation.rpartition(TURNS)  # the reminder comes last, after the statement's text
+        return f"{before}{turns_left}{after}"
 
     def _get_reward(self, action: str, done: bool) -> float:
         if not done:
@@ -187,10 +258,10 @@ class Text2SQLEnv(CachedTextEnv, SQLEnv):
         history = "".join(item["content"] for item in self.chat_history)
         valid, _, predicted, _ = verify_format_and_extract(history)
         if not valid:
-            return -1.0
-        graded = self.tool_call("sql", {"query": same_rows_query(predicted, self.gold_sql)})
+            return -1.0  # what SkyRL's reward answers, before it runs anything
+        graded = self.tool_call("reward", {"predicted": predicted, "gold": self.gold_sql})
         self._tvcache_metrics["tvcache_graded_from_cache"] = graded.hit
-        return 1.0 if not graded.error and answers_one(str(graded.output)) else 0.0
+        return graded.output  # type: ignore[no-any-return]  # SkyRL's score, a number
 
 
 if ENV_ID not in skyrl_gym.registry:

@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..calls import ToolCall
 
-__all__ = ["Outcome", "Output", "Sandbox", "SandboxBusy", "SandboxError", "Sandboxes"]
+__all__ = ["Outcome", "Output", "Sandbox", "SandboxBusy", "SandboxError", "Sandboxes", "refusal"]
 
 #: A tool's output: text, bytes, or a JSON value (dicts, lists, numbers, ...).
 Output = str | bytes | int | float | bool | None | list[Any] | dict[str, Any]
@@ -31,6 +31,13 @@ class Outcome:
     output: Output
     changed: bool | None = None
     error: bool = False
+
+
+def refusal(why: str) -> Outcome:
+    """The answer to a call a sandbox cannot run as given (an unknown tool, arguments of the wrong shape or type, a
+    NUL byte where the system takes none): `Error: <why>`, marked failed so it is not cached, and unchanged, so
+    the rollout and its sandbox carry on. A model's bad call is an answer it can learn from, not a crash."""
+    return Outcome(f"Error: {why}", changed=False, error=True)
 
 
 class SandboxError(RuntimeError):

@@ -12,7 +12,7 @@ if args.command in server_cli.COMMANDS:
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 from typing import Any
 
 from . import sandbox_cli
@@ -40,7 +40,10 @@ def add_commands(subparsers: Any) -> None:
 
     stats = subparsers.add_parser("stats", help="print a running server's stats as a table")
     stats.add_argument("url", help="the server, e.g. http://127.0.0.1:8470 (or http://:TOKEN@host:port)")
-    stats.add_argument("--token", help="bearer token (default: from the URL or TVCACHE_TOKEN)")
+    add_token_options(
+        stats,
+        "send `Authorization: Bearer TOKEN`, TOKEN being what FILE holds (default: from the URL or TVCACHE_TOKEN)",
+    )
     stats.add_argument("--json", action="store_true", help="print the raw stats as JSON instead")
 
 
@@ -48,8 +51,16 @@ def add_server_options(parser: argparse.ArgumentParser, port: int) -> None:
     """The options every server takes: where it listens, who may use it, how much it reads and logs."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=port, help=f"port to bind (default {port})")
+    add_token_options(
+        parser,
+        "require `Authorization: Bearer TOKEN` on the API, TOKEN being what FILE holds (default: the TVCACHE_TOKEN "
+        "variable)",
+    )
     parser.add_argument(
-        "--token", help="require `Authorization: Bearer TOKEN` on the API (default: the TVCACHE_TOKEN variable)"
+        "--max-connections",
+        type=int,
+        help="connections held at once (default 4096, fewer if `ulimit -n` is low); past it, the connection "
+        "waiting longest for its request is closed",
     )
     parser.add_argument("--max-body-mb", type=float, help="request body limit in MiB (default 32)")
     parser.add_argument(
@@ -61,16 +72,49 @@ def add_server_options(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
 
 
+def add_token_options(parser: argparse.ArgumentParser, help: str) -> None:
+    who = parser.add_mutually_exclusive_group()
+    who.add_argument("--token-file", metavar="FILE", help=help)
+    who.add_argument("--token", help="as --token-file, but every user of this machine can read it (ps): avoid")
+
+
 def server_limits(args: argparse.Namespace) -> dict[str, Any]:
-    """The limits of `add_server_options` that were given, as keyword arguments of `serve`/`serve_sandboxes`."""
+    """The options of `add_server_options` that were given, as keyword arguments of `serve`/`serve_sandboxes`."""
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port must be 1..65535, got {args.port}")
-    limits: dict[str, Any] = {}
+    limits: dict[str, Any] = {"token": given_token(args)}
+    if args.max_connections is not None:
+        if args.max_connections < 1:
+            raise SystemExit(f"tvcache {args.command}: --max-connections must be at least 1")
+        limits["max_connections"] = args.max_connections
     if args.max_body_mb is not None:
         limits["max_body"] = int(args.max_body_mb * 2**20)
     if args.read_timeout is not None:
         limits["read_timeout"] = args.read_timeout
     return limits
+
+
+def given_token(args: argparse.Namespace) -> str | None:
+    """The token given by --token-file or --token (None: TVCACHE_TOKEN, or the URL's, is used). A token on the
+    command line is in every user's `ps`: it still works, for the scripts that pass one, with a warning."""
+    command = f"tvcache {args.command}"
+    if args.token is not None:
+        print(
+            f"{command}: warning: --token is visible to every user of this machine (ps, /proc/PID/cmdline); "
+            "pass --token-file FILE or set TVCACHE_TOKEN instead",
+            file=sys.stderr,
+        )
+        return str(args.token)
+    if args.token_file is None:
+        return None
+    try:
+        with open(args.token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"{command}: --token-file: cannot read {args.token_file}: {exc}") from None
+    if not token or any(c.isspace() for c in token):
+        raise SystemExit(f"{command}: --token-file: {args.token_file} must hold the token alone, on one line")
+    return token
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -82,15 +126,9 @@ def run_command(args: argparse.Namespace) -> int:
             require("server", "the server", "uvicorn", "uvloop", "httptools", "prometheus_client")
         except MissingExtra as exc:
             raise SystemExit(f"tvcache serve: {exc}") from None
-        from .run import _is_loopback, serve
+        from .run import serve
 
         limits = server_limits(args)
-        # Anyone who can reach an unauthenticated server can record entries, i.e. hand rollouts wrong answers.
-        if not (args.token or os.environ.get("TVCACHE_TOKEN")) and not _is_loopback(args.host):
-            raise SystemExit(
-                f"tvcache serve: --host {args.host} is reachable from other machines, so the server needs a token:"
-                " pass --token TOKEN or set TVCACHE_TOKEN (clients then use http://:TOKEN@host:port)"
-            )
         if args.max_wait is not None:
             limits["wait_cap"] = args.max_wait
         try:
@@ -98,7 +136,6 @@ def run_command(args: argparse.Namespace) -> int:
                 None if args.store == "memory://" else args.store,
                 host=args.host,
                 port=args.port,
-                token=args.token,
                 log_level=args.log_level,
                 access_log=args.access_log,
                 **limits,
@@ -111,12 +148,13 @@ def run_command(args: argparse.Namespace) -> int:
 
         from .report import fetch_stats, print_stats
 
+        token = given_token(args)
         try:  # an unreachable server or a refused token: one line, no traceback
             if args.json:
-                stats, _ = fetch_stats(args.url, args.token)
+                stats, _ = fetch_stats(args.url, token)
                 print(msgspec.json.format(msgspec.json.encode(stats), indent=2).decode())
             else:
-                print_stats(args.url, args.token)
+                print_stats(args.url, token)
         except RuntimeError as exc:
             raise SystemExit(f"tvcache stats: {exc}") from None
         return 0

@@ -12,6 +12,9 @@ import ipaddress
 import logging
 import logging.config
 import os
+import resource
+import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -31,6 +34,8 @@ log = logging.getLogger("tvcache.server")
 # Longer than any client keeps an idle pooled connection (30 s), so the server never closes one under a
 # request the client is just sending on it.
 KEEP_ALIVE = 75
+# Connections held at once, at most (fewer where `ulimit -n` is lower: see `connection_cap`).
+DEFAULT_MAX_CONNECTIONS = 4096
 
 
 def serve(
@@ -42,15 +47,16 @@ def serve(
     max_body: int = DEFAULT_MAX_BODY,
     wait_cap: float = DEFAULT_WAIT_CAP,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
     log_level: str = "info",
     access_log: bool = False,
 ) -> None:
     """Serve the store at `store_url` (memory:// if None, sqlite:///path, redis://...) until interrupted.
 
     `token` (or the TVCACHE_TOKEN environment variable) turns on bearer-token authentication; without one, only
-    a loopback `host` is accepted (ValueError otherwise). Per-request
-    access logs are off by default: at tens of thousands of lookups a second they would cost more than the
-    lookups; refused requests and failures are always logged."""
+    a loopback `host` is accepted (ValueError otherwise). At most `max_connections` connections are held at
+    once (see `_protocol`). Per-request access logs are off by default: at tens of thousands of lookups a
+    second they would cost more than the lookups; refused requests and failures are always logged."""
     if store_url is not None and store_url.startswith(("http://", "https://")):
         raise ValueError("the server's store must be memory://, sqlite:///path or redis://..., not another server")
     # Whoever reaches an unauthenticated cache can record entries: hand every rollout a wrong answer.
@@ -62,7 +68,7 @@ def serve(
         store, store_name=name, token=token, max_body=max_body, wait_cap=wait_cap, read_timeout=read_timeout
     )
     log.info("serving", extra={"store": name, "host": host, "port": port, "auth": bool(token), "max_body": max_body})
-    run_app(app, host, port, config, log_level=log_level, access_log=access_log, read_timeout=read_timeout)
+    run_app(app, host, port, config, log_level, access_log, read_timeout, max_connections)
 
 
 def _token_for(host: str, token: str | None, what: str) -> str | None:
@@ -70,7 +76,7 @@ def _token_for(host: str, token: str | None, what: str) -> str | None:
     token = token if token is not None else os.environ.get("TVCACHE_TOKEN") or None
     if not token and not _is_loopback(host):
         raise ValueError(
-            f"{host} is reachable from other machines, so {what} needs a token: pass --token TOKEN or set "
+            f"{host} is reachable from other machines, so {what} needs a token: pass --token-file FILE or set "
             "TVCACHE_TOKEN (clients then use http://:TOKEN@host:port)"
         )
     return token
@@ -83,6 +89,7 @@ def serve_sandboxes(
     token: str | None = None,
     *,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
     log_level: str = "info",
     access_log: bool = False,
     **limits: Any,
@@ -99,7 +106,7 @@ def serve_sandboxes(
         "serving sandboxes",
         extra={"backend": repr(factory), "server": app.pool.server_id, "host": host, "port": port, "auth": bool(token)},
     )
-    run_app(app, host, port, config, log_level=log_level, access_log=access_log, read_timeout=read_timeout)
+    run_app(app, host, port, config, log_level, access_log, read_timeout, max_connections)
 
 
 def _logging(level: str) -> dict[str, Any]:
@@ -113,17 +120,19 @@ def run_app(
     host: str,
     port: int,
     config: dict[str, Any],
-    *,
     log_level: str,
     access_log: bool,
     read_timeout: float,
+    max_connections: int,
 ) -> None:
+    cap = connection_cap(max_connections)
+    log.info("connections", extra={"max_connections": cap, "read_timeout": read_timeout})
     uvicorn.run(
         app,
         host=host,
         port=port,
         loop="uvloop",
-        http=_protocol(read_timeout),
+        http=_protocol(read_timeout, cap),
         ws="none",
         lifespan="on",
         log_config=config,
@@ -138,50 +147,148 @@ def run_app(
     )
 
 
-def _protocol(read_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a deadline on each request's head.
+def connection_cap(max_connections: int) -> int:
+    """How many connections the server holds at once: `max_connections`, or fewer if the limit on open files
+    (`ulimit -n`) leaves no room for them. A quarter of that limit stays for everything else (the store's
+    files and sockets, sandboxes' pipes, logs): a server out of file descriptors cannot accept anyone, and
+    the event loop then drops the connections waiting in the backlog, legitimate or not."""
+    if max_connections < 1:
+        raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return max_connections
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 16
+    return max(1, min(max_connections, soft - in_use - max(64, soft // 4)))
 
-    uvicorn times out idle keep-alive connections, but not a connection that never sends a byte or sends its
-    request line and headers a byte at a time: each would hold a connection (a file descriptor, buffers) for as
-    long as its client likes. Here a request's head must be complete within `read_timeout` of the connection
-    opening, or of the request's first byte; otherwise the connection is closed. (Bodies have their own
-    deadline, in `JSONApi`, once the app reads them.)"""
+
+def _protocol(read_timeout: float, cap: int) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with deadlines for slow clients and a cap on connections.
+
+    uvicorn times out idle keep-alive connections, but not a connection that never sends a byte, sends its
+    request line and headers a byte at a time, or trickles a body nobody reads: each would hold a connection
+    (a file descriptor, buffers) for as long as its client likes. Here a request's head must be complete within
+    `read_timeout` of the connection opening, or of the request's first byte, and its body within
+    `read_timeout` of its head; otherwise the connection is closed (a body the app is reading is answered 408
+    by the app, `JSONApi`, and the connection closed after that answer).
+
+    Deadlines alone do not stop a slowloris: a thousand trickling clients hold a thousand connections for
+    `read_timeout` each, and reconnect. So the server holds at most `cap` connections, and a connection over
+    the cap closes the one that has waited longest for its first request to arrive (else, if every connection
+    has been served before, the one idle longest between requests). A legitimate client sends its request at
+    once and is then being served, not waiting, so it is never the one closed; an attacker's connections are
+    the oldest waiting ones, and clients' pooled connections go only after them. Only when every connection is
+    busy serving a request is the new one refused (503).
+    (uvicorn's own `limit_concurrency` answers 503 to every request over the limit instead, so a slowloris
+    holding the connections would refuse everyone else.)"""
+    # Connections waiting for a request, longest waiting first: those never served yet, then idle ones.
+    fresh: dict[Protocol, None] = {}
+    idle: dict[Protocol, None] = {}
+    shed = Shed()
 
     class Protocol(HttpToolsProtocol):
-        _head_timer: asyncio.TimerHandle | None = None
+        _deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._arm()
+            if len(self.connections) > cap and not self._make_room():
+                shed.refused()
+                transport.write(_AT_CAPACITY)
+                transport.close()
+                return
+            fresh[self] = None
+            self._arm(self._head_too_slow)
+
+        def _make_room(self) -> bool:
+            for waiting in (fresh, idle):
+                for other in waiting:  # the longest waiting first
+                    del waiting[other]
+                    shed.closed()
+                    other.transport.close()
+                    return True
+            return False
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            if self._head_timer is None:
-                self._arm()
+            if self._deadline is None:
+                self._arm(self._head_too_slow)
 
         def on_headers_complete(self) -> None:
-            self._disarm()
             super().on_headers_complete()
+            self._arm(self._body_too_slow)
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            fresh.pop(self, None)  # being served now
+            idle.pop(self, None)
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                idle[self] = None  # until its next request
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            fresh.pop(self, None)
+            idle.pop(self, None)
             super().connection_lost(exc)
 
-        def _arm(self) -> None:
-            self._head_timer = self.loop.call_later(read_timeout, self._too_slow)
+        def _arm(self, handler: Callable[[], None]) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(read_timeout, handler)
 
         def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
 
-        def _too_slow(self) -> None:
-            self._head_timer = None
+        def _head_too_slow(self) -> None:
+            self._deadline = None
             if not self.transport.is_closing():
                 log.info("closed a connection whose request head did not arrive in time", extra={"client": self.client})
                 self.transport.close()
 
+        def _body_too_slow(self) -> None:
+            self._deadline = None
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.keep_alive = False  # the app is reading it (and answers 408) or serving: close after
+            elif not self.transport.is_closing():
+                log.info("closed a connection whose request body did not arrive in time", extra={"client": self.client})
+                self.transport.close()
+
     return Protocol
+
+
+_FULL = b'{"error": "the server is at its connection limit; try again"}'
+_AT_CAPACITY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s" % (len(_FULL), _FULL)
+)
+
+
+class Shed:
+    """Counts connections closed or refused to stay under the cap, logging a summary at most every 10 s
+    (under attack there are thousands a second)."""
+
+    def __init__(self) -> None:
+        self.counts = {"closed": 0, "refused": 0}
+        self._logged = 0.0
+
+    def closed(self) -> None:
+        self._count("closed")
+
+    def refused(self) -> None:
+        self._count("refused")
+
+    def _count(self, what: str) -> None:
+        self.counts[what] += 1
+        now = time.monotonic()
+        if now - self._logged >= 10:
+            self._logged = now
+            log.warning("at the connection limit: closing the connections that wait longest", extra=dict(self.counts))
 
 
 def redact(url: str) -> str:

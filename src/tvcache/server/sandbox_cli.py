@@ -1,6 +1,6 @@
 """`tvcache sandbox-server`: serve one sandbox factory over HTTP for `tvcache.RemoteSandboxes` clients.
 
-tvcache sandbox-server --sandbox workspace --base /srv/tasks/repo --host 10.0.0.5 --token "$TVCACHE_TOKEN"
+tvcache sandbox-server --sandbox workspace --base /srv/tasks/repo --host 10.0.0.5 --token-file /etc/tvcache/token
 """
 
 from __future__ import annotations
@@ -59,9 +59,7 @@ def run(args: argparse.Namespace) -> int:
     _reclaim_predecessors(docker=args.sandbox == "docker")
     try:
         factory = open_sandboxes(args.sandbox, base=args.base, image=args.image, timeout=args.timeout)
-        serve_sandboxes(
-            factory, args.host, args.port, args.token, log_level=args.log_level, access_log=args.access_log, **limits
-        )
+        serve_sandboxes(factory, args.host, args.port, log_level=args.log_level, access_log=args.access_log, **limits)
     except (ValueError, TypeError, OSError, SandboxError) as exc:  # a bad kind, path, image or limit: no traceback
         raise SystemExit(f"tvcache sandbox-server: {exc}") from None
     return 0

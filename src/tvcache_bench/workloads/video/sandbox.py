@@ -7,13 +7,14 @@ preprocessed files live in the sandbox's state, so a restored snapshot carries t
 on an analysis call after `preprocess` resumes from a snapshot instead of decoding the video again.
 
 Each sandbox sees `/testbed` (its folder, empty at first), `/videos` (the catalogue, read-only) and
-`/opt/tvcache-video/features.py` (the preprocessing runner), on top of the host's root, with no network:
+`/opt/tvcache-video/features.py` (the preprocessing runner), on top of the host's root, with no network; and
+this process's Python, wherever it lives (a venv under /tmp too: see `interpreter`):
 
 - `load_video(video)`: `cp /videos/<video>.mp4 /testbed/video.mp4` and the removal of any older features,
   run by bash in the sandbox. A name not in the catalogue gets an answer listing the videos, and changes
   nothing.
-- `preprocess()`: `python /opt/tvcache-video/features.py /testbed/video.mp4 /testbed/features.sqlite` in the
-  sandbox: the real decoding and feature extraction, seconds per minute of video (see `features`).
+- `preprocess()`: `python -S -B /opt/tvcache-video/features.py /testbed/video.mp4 /testbed/features.sqlite` in
+  the sandbox: the real decoding and feature extraction, seconds per minute of video (see `features`).
 - the four read-only tools (`analysis`) run in this process, on a worker thread, reading the sandbox's
   folder through its mounted root: a process per call would cost more than most of the analyses.
 
@@ -27,9 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import shlex
 import shutil
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from tvcache.sandboxes.workspace import WorkspaceSandbox, WorkspaceSandboxes
 
 from . import analysis, features
 from .clips import Catalogue
+from .interpreter import sandboxed_python
 
 __all__ = ["TOOLS", "VideoSandbox", "VideoSandboxes"]
 
@@ -63,7 +63,9 @@ class VideoSandboxes:
             folder.mkdir()
             runner.mkdir()
             shutil.copy2(features.__file__, runner / "features.py")
+            self._python = sandboxed_python()
             base = {WORKDIR: str(folder), "/videos": str(catalogue.directory), RUNNER: str(runner)}
+            base.update(self._python.mounts)
             self._inner = WorkspaceSandboxes(base, network=False, timeout=timeout, tmp=tmp)
         except BaseException:
             shutil.rmtree(self._scratch, ignore_errors=True)
@@ -92,10 +94,10 @@ class VideoSandboxes:
         return self._inner.mode
 
     async def create(self) -> VideoSandbox:
-        return VideoSandbox(await self._inner.create(), self.catalogue)
+        return VideoSandbox(await self._inner.create(), self.catalogue, self._python.command)
 
     async def restore(self, snapshot_id: str) -> VideoSandbox:
-        return VideoSandbox(await self._inner.restore(snapshot_id), self.catalogue)
+        return VideoSandbox(await self._inner.restore(snapshot_id), self.catalogue, self._python.command)
 
     async def delete(self, snapshot_id: str) -> None:
         await self._inner.delete(snapshot_id)
@@ -108,9 +110,10 @@ class VideoSandboxes:
 
 
 class VideoSandbox:
-    def __init__(self, box: WorkspaceSandbox, catalogue: Catalogue):
+    def __init__(self, box: WorkspaceSandbox, catalogue: Catalogue, python: str):
         self._box = box
         self._catalogue = catalogue
+        self._python = python
         self._lock = asyncio.Lock()  # an analysis reads the mounted folder, which a snapshot remounts
 
     @property
@@ -154,7 +157,7 @@ class VideoSandbox:
         video, db = f"{WORKDIR}/{analysis.VIDEO}", f"{WORKDIR}/{analysis.FEATURES}"
         # stderr (OpenCV and FFmpeg chatter) is kept in a shell variable, not a file, so it adds nothing to the
         # sandbox's state, and shown only when the runner fails.
-        run = f"{shlex.quote(sys.executable)} {RUNNER}/features.py {video} {db}"
+        run = f"{self._python} {RUNNER}/features.py {video} {db}"
         answered = features.ANSWERED_ERROR
         command = f'{{ err=$({run} 2>&1 >&3); }} 3>&1; s=$?; [ $s = 0 ] || [ $s = {answered} ] || echo "$err"; exit $s'
         return await self._bash(command, answers=(0, answered))
