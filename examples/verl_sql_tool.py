@@ -1,9 +1,8 @@
 """The `sql` tool of the veRL example, as veRL loads it (`multi_turn.function_tool_path`).
 
-Without tvcache this function is the tool: each statement runs on the Chinook database opened read-only (veRL 0.9
-makes a tool instance per call, so nothing carries from one call to the next). With tvcache's agent loop and
-`sandboxes:` set, the function only gives the schema the model sees; the calls run in the trajectory's own writable
-copy of the database (`SQLiteSandboxes`), which answers in the same format.
+Each statement runs on the Chinook database opened read-only (veRL 0.9 makes a tool instance per call, so nothing
+carries from one call to the next, and a write is refused). With tvcache's agent loop the same function answers
+the misses, and since it is read-only (`read_only: [sql]`), its answers are shared between rollouts in any order.
 """
 
 from __future__ import annotations

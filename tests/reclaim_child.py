@@ -64,12 +64,12 @@ async def main(kind: str, args: list[str]) -> None:
 
         boxes = WorkspaceSandboxes(args[0], tmp=args[1])
         await cycle(boxes, bash("echo one > a; sleep 0.05"), bash("echo two >> a; sleep 0.05"))
-    elif kind == "sqlite+workspace":  # both, in their default tmp
+    elif kind == "sqlite+workspace":  # both, in their default tmp unless given one
         from tvcache.sandboxes.sqlite import SQLiteSandboxes
         from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
-        tables = SQLiteSandboxes(args[0])
-        trees = WorkspaceSandboxes(args[1])
+        tables = SQLiteSandboxes(args[0], tmp=args[2] if len(args) > 2 else None)
+        trees = WorkspaceSandboxes(args[1], tmp=args[2] if len(args) > 2 else None)
         await cycle(tables, sql("CREATE TABLE t (x)"), sql("INSERT INTO t VALUES (1)"))
         await cycle(trees, bash("echo one > a"), bash("echo two >> a"))
     elif kind == "docker":

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +47,11 @@ class Child:
     """reclaim_child.py running `kind`; `kill_at(point)` SIGKILLs it once it announces `point` (plus up to
     `jitter` seconds, so the kill may land inside the step)."""
 
-    def __init__(self, kind: str, *args: str | Path, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, kind: str, *args: str | Path, extra_env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "reclaim_child.py"), kind, *map(str, args)],
+            [*prefix, sys.executable, str(HERE / "reclaim_child.py"), kind, *map(str, args)],
             stdout=subprocess.PIPE,
             text=True,
             env={**env(), **(extra_env or {})},
@@ -115,6 +117,17 @@ def owned_by(pid: int, *parents: Path) -> list[str]:
     return found
 
 
+def left_after(pid: int, *parents: Path) -> list[str]:
+    """`owned_by`, once processes already on their way out are gone: a sandbox command whose jail was starting as
+    its owner was killed can miss bwrap's --die-with-parent, and runs until it ends (its timeout bounds it)."""
+    deadline = time.monotonic() + 10
+    while (left := owned_by(pid, *parents)) and all(p.startswith("process ") for p in left):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return left
+
+
 @pytest.fixture(name="tmp")
 def tmp_fixture() -> Iterator[Path]:
     """A private directory on tmpfs (overlay upper dirs need one) for the factories' scratch."""
@@ -122,8 +135,10 @@ def tmp_fixture() -> Iterator[Path]:
     try:
         yield path
     finally:
-        for sub in (path / "tvcache-workspace").glob("run-*"):
-            reclaim.detach_all(sub)
+        from tvcache.sandboxes._rundir import reap
+
+        for run_dir in (path / "tvcache-workspace").glob("run-*"):  # with its mounts and cgroups
+            reap(run_dir)
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -161,7 +176,7 @@ def test_sqlite_the_next_factory_reclaims_a_killed_processs_copies(point: str, t
             child.kill_at(point)
             assert owned_by(child.pid, tmp), "the killed child left nothing: the test would prove nothing"
             async with SQLiteSandboxes(db, tmp=tmp):
-                assert owned_by(child.pid, tmp) == []
+                assert left_after(child.pid, tmp) == []
             assert live.directory.is_dir()
             assert (await box.execute(sql("SELECT count(*) AS n FROM items"))).output.split() == ["n", "3"]
 
@@ -171,21 +186,44 @@ def test_sqlite_the_next_factory_reclaims_a_killed_processs_copies(point: str, t
 def test_a_reused_pid_does_not_pass_for_the_owner(tmp: Path, db: Path) -> None:
     """The owner is the pid and its start time: this process's pid with another start time is a dead owner,
     whatever made it (scratch of another kind, a workspace run dir)."""
-    me, start = os.getpid(), reclaim.process_start_time(os.getpid())
+    me, start, ns = os.getpid(), reclaim.process_start_time(os.getpid()), reclaim.pid_namespace()
     assert start is not None
-    dead = tmp / f"tvcache-sqlite-{me}-{int(start) - 1}-0123abcd"
-    alive = tmp / f"tvcache-sqlite-{me}-{start}-4567abcd"
-    other_kind = tmp / f"tvcache-video-{me}-{int(start) - 1}-89abcdef"
-    run_dir = tmp / "tvcache-workspace" / f"run-{me}-0123abcd"
-    live_run_dir = tmp / "tvcache-workspace" / f"run-{me}-4567abcd"
-    for path in (dead, alive, other_kind, run_dir, live_run_dir):
+    dead = tmp / f"tvcache-sqlite-{me}-{int(start) - 1}-{ns}-0123abcd"
+    alive = tmp / f"tvcache-sqlite-{me}-{start}-{ns}-4567abcd"
+    other_kind = tmp / f"tvcache-video-{me}-{int(start) - 1}-{ns}-89abcdef"
+    run_dir = tmp / "tvcache-workspace" / f"run-{me}-{int(start) - 1}-{ns}-0123abcd"
+    live_run_dir = tmp / "tvcache-workspace" / f"run-{me}-{start}-{ns}-4567abcd"
+    earlier_run_dir = tmp / "tvcache-workspace" / f"run-{me}-89abcdef"  # as named before: an `owner` file
+    for path in (dead, alive, other_kind, run_dir, live_run_dir, earlier_run_dir):
         path.mkdir(parents=True)
         (path / "base.sqlite").write_bytes(b"x" * 10_000)
-    (run_dir / "owner").write_text(f"{me} {int(start) - 1}\n")
-    (live_run_dir / "owner").write_text(f"{me} {start}\n")
+    (earlier_run_dir / "owner").write_text(f"{me} {int(start) - 1}\n")
     asyncio.run(SQLiteSandboxes(db, tmp=tmp).close())
-    assert not dead.exists() and not other_kind.exists() and not run_dir.exists()
+    assert not dead.exists() and not other_kind.exists() and not run_dir.exists() and not earlier_run_dir.exists()
     assert alive.is_dir() and live_run_dir.is_dir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="a PID namespace needs root")
+def test_a_live_owner_in_another_pid_namespace_is_never_taken_for_dead(tmp: Path, db: Path, base: Path) -> None:
+    """A container sharing this /dev/shm (`--ipc=host`, common for torch jobs) has pids that name other processes
+    here, or none: its live scratch and run dirs must survive every factory and gc made outside it."""
+    child = Child("sqlite+workspace", db, base, tmp, prefix=["unshare", "--pid", "--fork", "--mount-proc"])
+    child.wait_for("idle")
+    theirs = [p for p in [*tmp.iterdir(), *(tmp / "tvcache-workspace").iterdir()] if "tvcache-sqlite-" in p.name]
+    theirs += list((tmp / "tvcache-workspace").glob("run-*"))
+    assert len(theirs) == 2 and f"-{child.pid}-" not in str(theirs), "the child should see its own pids"
+    try:
+        asyncio.run(SQLiteSandboxes(db, tmp=tmp).close())
+        asyncio.run(WorkspaceSandboxes(base, tmp=tmp).close())
+        command = [sys.executable, "-m", "tvcache.cli", "gc", "--tmp", str(tmp), "--no-docker"]
+        subprocess.run(command, env=env(), capture_output=True, check=True)
+        assert all(p.is_dir() for p in theirs)
+    finally:
+        child.kill()
+        from tvcache.sandboxes._rundir import reap
+
+        for run_dir in (tmp / "tvcache-workspace").glob("run-*"):  # its cgroups too: nobody here judges it
+            reap(run_dir)
 
 
 # -- workspace ------------------------------------------------------------------------------------------------
@@ -201,7 +239,7 @@ def test_workspace_the_next_factory_reclaims_run_dir_mounts_and_cgroups(point: s
             child.kill_at(point)
             assert owned_by(child.pid, tmp)
             async with WorkspaceSandboxes(base, tmp=tmp):
-                assert owned_by(child.pid, tmp) == []
+                assert left_after(child.pid, tmp) == []
             out = await box.execute(ToolCall("bash", {"command": "cat mine README"}))
             assert out.output["output"] == "live\nthe base\n"  # type: ignore[index]
 
@@ -217,9 +255,23 @@ def test_either_next_factory_reclaims_a_process_that_held_both_kinds(next_kind: 
     assert owned_by(child.pid, shm)
     factory = SQLiteSandboxes(db) if next_kind == "sqlite" else WorkspaceSandboxes(base)
     try:
-        assert owned_by(child.pid, shm) == []
+        assert left_after(child.pid, shm) == []
     finally:
         asyncio.run(factory.close())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandbox cgroups need root")
+def test_cgroups_whose_run_dir_was_deleted_unreaped_are_reclaimed(tmp: Path, db: Path, base: Path) -> None:
+    """Someone removes a killed process's tmp by hand (`rm -rf`): its cgroups, named as the run dir, remain, and
+    the next factory anywhere on the machine removes them."""
+    child = Child("workspace", base, tmp)
+    child.kill_once(RNG.choice(POINTS[1:]), lambda: any("/sys/fs/cgroup" in p for p in owned_by(child.pid, tmp)))
+    for run_dir in (tmp / "tvcache-workspace").glob(f"run-{child.pid}-*"):
+        reclaim.remove(run_dir)  # mounts and files, not the cgroups
+    assert not list((tmp / "tvcache-workspace").glob(f"run-{child.pid}-*")), "the run dir is gone"
+    assert [p for p in owned_by(child.pid, tmp) if p.startswith("/sys/fs/cgroup/")], "its cgroups are not"
+    asyncio.run(SQLiteSandboxes(db).close())  # elsewhere (in /dev/shm), of another kind
+    assert left_after(child.pid, tmp) == []
 
 
 # -- tvcache gc ------------------------------------------------------------------------------------------------
@@ -254,7 +306,7 @@ def test_gc_lists_with_sizes_then_reclaims_only_what_dead_processes_left(tmp: Pa
         assert "would reclaim" in listing.splitlines()[-1]
         gc()
         for pid in killed:
-            assert owned_by(pid, tmp) == []
+            assert left_after(pid, tmp) == []
         assert live.directory.is_dir() and (live.directory / "base.sqlite").is_file()
     finally:
         asyncio.run(live.close())
@@ -316,7 +368,7 @@ def test_a_sandbox_server_reclaims_on_start_what_a_killed_predecessor_held(
             await boxes.close()
         assert owned_by(pid, Path("/dev/shm")), "the killed server left nothing: the test would prove nothing"
         with server(second_kind) as second:
-            assert owned_by(pid, Path("/dev/shm")) == []
+            assert left_after(pid, Path("/dev/shm")) == []
             async with RemoteSandboxes(second.url) as again:
                 box = await again.create()
                 assert not (await box.execute(call(second_kind))).error
@@ -343,7 +395,7 @@ def test_video_the_next_build_and_factory_reclaim_a_killed_processs_scratch(poin
     catalogue = clips.build((clips.VideoSpec("alpha", 2, 11, "bunny"),), videos)
     boxes = VideoSandboxes(catalogue, timeout=60, tmp=str(tmp))
     try:
-        assert owned_by(child.pid, tmp, videos) == []
+        assert left_after(child.pid, tmp, videos) == []
     finally:
         asyncio.run(boxes.close())
 
@@ -365,7 +417,7 @@ def test_unpacking_a_layer_reclaims_what_a_killed_unpacker_left(tmp: Path) -> No
 
     with open(layer, "rb") as source:
         unpacked = images.unpack_layer(source, "sha256:" + "0" * 64, cache)
-    assert owned_by(child.pid, cache) == []
+    assert left_after(child.pid, cache) == []
     assert sorted(p.name for p in unpacked.iterdir()) == sorted(p.name for p in tree.iterdir())
 
 
@@ -415,7 +467,7 @@ def test_a_debootstrap_build_killed_midway_is_reclaimed_by_the_next(tmp: Path, m
         monkeypatch.setenv(name, value)
     try:
         tarball = docker_setup._rootfs_tarball()
-        assert owned_by(child.pid, Path("/var/tmp")) == []
+        assert left_after(child.pid, Path("/var/tmp")) == []
         with tarfile.open(tarball) as tar:
             assert "./etc/os-release" in tar.getnames()
     finally:

@@ -1,18 +1,20 @@
 """veRL: trajectories of veRL's own agent loop machinery (the loop built from veRL's registry by hydra, as
-AgentLoopWorker builds it, `run` with a dataset row, `_call_tool` for every call), with and without tvcache.
+AgentLoopWorker builds it, `run` with a dataset row, `_call_tool` for every call), alone and with tvcache.
 
+The parity harness: veRL's `tool_agent` next to `tvcache_tool_agent`, and the example's loop with its reward alone
+(`text2sql_agent`) next to its tvcache version, on the same adversarial plans (writes then an answer, SQL errors,
+unknown tools, malformed JSON, wrong argument types, several calls in one turn, a huge answer, a NUL byte); the
+tokens the model sees and writes and the reward equal byte for byte over two epochs, the second from the cache.
 The one stand-in is the LLM server (veRL's `generate(...) -> TokenOutput` interface; no GPU and no inference server
-here): a scripted policy that answers each trajectory's turns from a plan, as the model's tokens in the hermes tool
-format, with SmolLM2's real tokenizer. Oracles: veRL's `tool_agent` loop on the same plans (the default mode, veRL's
-own tools answering misses), and the same calls executed uncached in a fresh SQLite sandbox (the `sandboxes:` mode).
+here): the example's scripted policy, as the model's tokens in the hermes tool format with a byte-level tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import os
+import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,6 @@ import pytest
 
 pytest.importorskip("verl", reason="needs veRL (pip install 'tvcache[verl]')")
 
-import tvcache
-from tvcache.calls import ToolCall
-from tvcache.integrations import process_cache
 from tvcache.integrations.verl import AGENT_NAME, row_task
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -30,34 +29,6 @@ sys.path.insert(0, str(EXAMPLES))  # veRL's hydra imports the example's agent lo
 
 import verl_text2sql as example  # noqa: E402
 from verl.tools.function_tool import load_function_tools_from_path  # noqa: E402
-from verl.workers.rollout.replica import TokenOutput  # noqa: E402
-
-Step = list[tuple[str, Any]] | None  # the tool calls of a turn (name, arguments), or None: a final answer
-
-
-class ScriptedServer:
-    """veRL's LLM server interface, answering each trajectory (veRL's request id) from the next plan in `queue`."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.queue: list[list[Step]] = []
-        self.plans: dict[str, list[Step]] = {}
-        self.turns: Counter[str] = Counter()
-
-    async def generate(self, *, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any], **_: Any):
-        if request_id not in self.plans:
-            self.plans[request_id] = self.queue.pop(0)
-        plan, turn = self.plans[request_id], self.turns[request_id]
-        self.turns[request_id] += 1
-        step = plan[turn] if turn < len(plan) else None
-        if step is None:
-            text = "I have the answer."
-        else:
-            text = "".join(
-                f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>" for name, args in step
-            )
-        ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
-        return TokenOutput(token_ids=ids, stop_reason="completed")
 
 
 def sql(query: str) -> tuple[str, Any]:
@@ -65,127 +36,79 @@ def sql(query: str) -> tuple[str, Any]:
 
 
 COUNT = "SELECT count(*) FROM Track"
-READING = [
-    [[sql(COUNT)]],
+PLANS: list[Any] = [
+    [[sql(COUNT)]],  # right
     [[sql("SELECT Name FROM Artist LIMIT 3")], [sql(COUNT)]],
     [[sql("SELEC oops")]],  # an SQL error, as the tool's answer
     [[("bash", {"command": "ls"})]],  # a tool that does not exist: veRL's own message
     [[("sql", "just text")]],  # arguments that are JSON but not an object: the tool fails as in veRL
-    [[sql(COUNT)], [sql("DELETE FROM Track")]],  # the read-only database refuses, in both
+    [[("sql", {"query": 5})]],  # the wrong type
+    [[("sql", {"query": COUNT, "limit": 3})]],  # an argument the tool does not take
+    [['{"name": "sql", "arguments": {"query": '], [sql(COUNT)]],  # malformed JSON: dropped, the turn final
+    [[sql("DELETE FROM Track")], [sql("SELECT 0")]],  # the reward hack: the tool is read-only, the answer wrong
+    [[sql("DELETE FROM Track WHERE TrackId > 10")], [sql(COUNT)]],  # refused too: the count stays 3503
+    [[sql(COUNT), sql("SELECT Name FROM Artist LIMIT 3"), sql(COUNT)]],  # several calls in one turn
+    [[sql("SELECT * FROM Track")]],  # a huge answer, which veRL cuts
+    [[sql("SELECT 'a\0b'")]],  # a NUL byte
     [[sql(COUNT)]],  # plan 0 again
 ]
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from tvcache_bench.workloads.grpo.model import load_tokenizer
-
-    return load_tokenizer()
+    return example.byte_tokenizer()
 
 
 @pytest.fixture(scope="module")
-def setup(tokenizer: Any) -> tuple[Any, list[Any]]:
+def setup() -> tuple[Any, list[Any]]:
     config = example.verl_config()
     example.register_agent_loops(config)
     return config, load_function_tools_from_path(str(example.TOOL_FILE))
 
 
-async def trajectories(
-    setup: tuple[Any, list[Any]], tokenizer: Any, agent: str, plans: list[list[Step]], row: dict[str, Any]
-) -> list[Any]:
+async def trajectories(setup: tuple[Any, list[Any]], tokenizer: Any, agent: str, row: dict[str, Any]) -> list[Any]:
     config, tools = setup
-    server = ScriptedServer(tokenizer)
+    server = example.ScriptedServer(tokenizer, PLANS)
     outputs = []
-    for plan in plans:
-        server.queue.append(plan)
+    for plan in PLANS:
+        server.queue.append((plan, row["reward_model"]["ground_truth"]))
         outputs.append(await example.run_trajectory(config, server, tokenizer, tools, agent, row))
     return outputs
 
 
-def comparable(output: Any) -> tuple[Any, ...]:
-    return (output.prompt_ids, output.response_ids, output.response_mask, output.num_turns)
+def seen(output: Any) -> tuple[Any, ...]:
+    """Everything of a trajectory that training reads: the tokens the model saw and wrote, and the reward."""
+    return (output.prompt_ids, output.response_ids, output.response_mask, output.num_turns, output.reward_score)
 
 
-def test_cached_loop_answers_as_verl_and_later_rollouts_hit(setup: Any, tokenizer: Any) -> None:
+@pytest.mark.parametrize(("plain", "cached"), [("tool_agent", AGENT_NAME), (example.PLAIN, example.AGENT)])
+def test_cached_loops_answer_as_verl_alone_byte_for_byte(setup: Any, tokenizer: Any, plain: str, cached: str) -> None:
     row = example.rows()[0]
 
-    async def go() -> tuple[list[Any], list[Any], list[Any], dict[str, float]]:
-        plain = await trajectories(setup, tokenizer, "tool_agent", READING, row)
-        first = await trajectories(setup, tokenizer, AGENT_NAME, READING, row)
-        again = await trajectories(setup, tokenizer, AGENT_NAME, READING, row)  # the next epoch
-        return plain, first, again, process_cache().stats()
+    async def go() -> tuple[list[Any], list[Any], list[Any]]:
+        alone = await trajectories(setup, tokenizer, plain, row)
+        first = await trajectories(setup, tokenizer, cached, row)
+        again = await trajectories(setup, tokenizer, cached, row)  # the next epoch
+        return alone, first, again
 
-    plain, first, again, stats = asyncio.run(go())
-    assert [comparable(o) for o in first] == [comparable(o) for o in plain]
-    assert [comparable(o) for o in again] == [comparable(o) for o in plain]
-    texts = [tokenizer.decode(o.response_ids) for o in plain]
-    assert "3503" in texts[0] and "syntax error" in texts[2] and "readonly database" in texts[5]
-    assert "Unknown function 'bash'" in texts[3] and "Error executing tool 'sql'" in texts[4]
+    alone, first, again = asyncio.run(go())
+    for k, (mine, theirs) in enumerate(zip(first, alone, strict=True)):
+        assert seen(mine) == seen(theirs), k
+    assert [seen(o) for o in again] == [seen(o) for o in alone]
+    texts = [tokenizer.decode(o.response_ids) for o in alone]
+    assert "3503" in texts[0] and "syntax error" in texts[2] and "Unknown function 'bash'" in texts[3]
+    assert all("Error executing tool 'sql'" in texts[k] for k in (4, 5, 6))
+    assert "readonly database" in texts[8] and "readonly database" in texts[9] and "3503" in texts[9]
+    assert "...(truncated)" in texts[11]
+    if plain == example.PLAIN:
+        # veRL's tool is read-only: deleting the table and answering with an empty count earns nothing.
+        rewards = [o.reward_score for o in alone]
+        assert rewards[0] == rewards[9] == rewards[13] == 1.0 and rewards[8] == 0.0
     calls = [o.extra_fields["tvcache_calls"] for o in first]
-    # An unknown tool never reaches the cache; a tool that raised is never recorded (nor counted as a result).
-    assert calls == [1, 2, 1, 0, 0, 2, 1]
-    # The first epoch hits where a plan repeats an earlier one's calls; the second hits everywhere.
-    assert [o.extra_fields["tvcache_hits"] for o in first] == [0, 0, 0, 0, 0, 1, 1]
-    assert [o.extra_fields["tvcache_hits"] for o in again] == calls
-    assert stats["hits"] == 2 + sum(calls)
-
-
-WRITING = [
-    [[sql("DELETE FROM Track WHERE TrackId > 10")], [sql(COUNT)]],  # right answer on its own final state: 10
-    [[sql(COUNT)]],  # 3503, right
-    [
-        [sql("CREATE TEMP VIEW long AS SELECT * FROM Track WHERE Milliseconds > 600000")],
-        [sql("SELECT count(*) FROM long")],
-    ],
-    [[sql("CREATE TEMP VIEW long AS SELECT * FROM Track WHERE Milliseconds > 600000")], [sql("SELECT 1")]],
-    [[sql(COUNT)]],  # plan 1 again: its calls and its grading hit
-    [[sql("SELEC oops")]],
-]
-
-
-async def oracle(plan: list[list[Step]], gold: str) -> tuple[list[str], float]:
-    """The plan's calls executed uncached in a fresh sandbox, and the reward graded there."""
-    boxes = tvcache.SQLiteSandboxes(example.chinook(), timeout=10)
-    box = await boxes.create()
-    try:
-        outputs = [
-            str((await box.execute(ToolCall(name, args))).output) for step in plan if step for name, args in step
-        ]
-        if not outputs or outputs[-1].startswith("Error:"):
-            return outputs, 0.0
-        gold_output = str((await box.execute(ToolCall("sql", {"query": gold}))).output)
-        return outputs, 1.0 if example.rows_equal(outputs[-1], gold_output) else 0.0
-    finally:
-        await box.close()
-        await boxes.close()
-
-
-def test_sandboxes_mode_matches_uncached_execution_and_grades_final_states_once(setup: Any, tokenizer: Any) -> None:
-    row = example.rows()[0]
-    gold = row["reward_model"]["ground_truth"]
-
-    async def go() -> tuple[list[Any], list[Any], dict[str, float]]:
-        outputs = []
-        executed: list[float] = []
-        for plan in WRITING:
-            before = process_cache().stats()["executions"]
-            outputs += await trajectories(setup, tokenizer, example.AGENT, [plan], row)
-            executed.append(process_cache().stats()["executions"] - before)
-        return outputs, executed, process_cache().stats()
-
-    outputs, executed, stats = asyncio.run(go())
-    expected = [asyncio.run(oracle(plan, gold)) for plan in WRITING]
-    for output, plan, (texts, reward) in zip(outputs, WRITING, expected, strict=True):
-        decoded = tokenizer.decode(output.response_ids)
-        for text in texts:
-            assert text.split("\n")[-1] in decoded, (plan, text)
-        assert output.reward_score == reward, plan
-    assert [o.reward_score for o in outputs] == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
-    # Plan 4 repeats plan 1: its call and the grading of its final state (the untouched database) hit.
-    assert executed[4] == 0 and outputs[4].extra_fields["tvcache_hits"] == 1
-    # Plan 3 starts as plan 2 did: its first call hits; its grading runs (another final state).
-    assert outputs[3].extra_fields["tvcache_hits"] == 1
-    assert stats["mismatches"] == 0 and stats["detached"] == 0
+    # An unknown tool never reaches the cache, nor does a dropped call; a tool that raised is not recorded.
+    assert calls == [1, 2, 1, 0, 0, 0, 0, 0, 2, 2, 3, 1, 1, 1]
+    assert sum(o.extra_fields["tvcache_hits"] for o in first) > 0  # plans repeat earlier plans' calls
+    assert [o.extra_fields["tvcache_hits"] for o in again] == calls  # the second epoch hits everywhere
 
 
 def test_task_ids_come_from_the_stable_index_not_the_uid() -> None:
@@ -206,10 +129,14 @@ def test_row_kwargs_enter_the_fingerprint() -> None:
     assert a.fingerprint == VerlToolSandboxes(tools, {"sql": {"create_kwargs": {"ground_truth": "1"}}}).fingerprint
 
 
-def test_the_examples_code_block_parser(tokenizer: Any) -> None:
-    parser = example.SQLBlockParser(tokenizer)
-    ids = tokenizer.encode("SELECT count(*) FROM Track\n```", add_special_tokens=False)
-    content, calls = asyncio.run(parser.extract_tool_calls(ids))
-    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("sql", {"query": COUNT})]
-    assert asyncio.run(parser.extract_tool_calls(tokenizer.encode("SELECT", add_special_tokens=False)))[1] == []
-    assert ids[-1] in parser.stop_token_ids
+def test_the_example_runs_without_arguments() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "verl_text2sql.py")], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == [example.PLAIN] + [example.AGENT] * 2
+    rewards = [line.split("rewards ")[1].split(";")[0] for line in lines]
+    assert rewards[0] == rewards[1] == rewards[2] and "1.0" in rewards[0]
+    assert lines[2].endswith("tool calls from the cache") and lines[2].split("; ")[1].split()[0] != "0"

@@ -1,41 +1,41 @@
 """Per-process run directories, and the reaping of those a crashed process left behind.
 
-Every `WorkspaceSandboxes` keeps all it creates under `<tmp>/tvcache-workspace/run-<pid>-<token>/`, whose
-`owner` file records the creating process's pid and start time and whose `cgroups` file lists its cgroup
-directories. Each new factory first reaps the run dirs whose owner is gone (pid dead or reused; through
-`reclaim.reclaim_dead`, with the rest of dead processes' scratch in `tmp`): it detaches every mount below them,
-removes them and their cgroups. Mounts made through a user-namespace helper vanish
-with the helper, so only files remain there.
+Every `WorkspaceSandboxes` keeps all it creates under `<tmp>/tvcache-workspace/run-<owner>-<token>/`, whose name
+records the creating process (pid, start time, PID namespace: see `reclaim`) and whose `cgroups` file lists its
+cgroup directories (named as the run dir). Each new factory first reaps the run dirs whose owner is gone (through
+`reclaim.reclaim_dead`, with the rest of dead processes' scratch): it detaches every mount below them, removes them
+and their cgroups. Mounts made through a user-namespace helper vanish with the helper, so only files remain there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import shutil
 import time
 from pathlib import Path
 
 from ._cgroups import remove_tree
-from .reclaim import detach_all, mounts_below, process_start_time, reclaim_dead
+from .reclaim import detach_all, mounts_below, owner_alive, owner_name, reclaim_dead, run_owner
 
-__all__ = ["RunDir", "mounts_below", "process_start_time", "reap", "stale_run_dirs"]
+__all__ = ["RunDir", "mounts_below", "reap", "stale_run_dirs"]
 
 ROOT_NAME = "tvcache-workspace"
 
 
 def _owner_alive(run_dir: Path) -> bool:
-    try:
+    owner = run_owner(run_dir.name)
+    if owner is not None:
+        return owner_alive(*owner)
+    try:  # named by an earlier version, whose `owner` file names the owner
         pid_text, start = (run_dir / "owner").read_text().split()
     except (OSError, ValueError):
-        # No owner file yet: a run dir being created right now, or a crash before writing it. Only an old
-        # one is stale.
+        # No owner file yet: being created right now, or a crash before writing it. Only an old one is stale.
         try:
             return time.time() - run_dir.stat().st_mtime < 60
         except OSError:
             return False
-    return process_start_time(int(pid_text)) == start
+    return owner_alive(int(pid_text), start)
 
 
 def stale_run_dirs(tmp: Path) -> list[Path]:
@@ -60,11 +60,9 @@ class RunDir:
         reclaim_dead(tmp)  # dead processes' run dirs, and any other scratch of theirs here
         root = tmp / ROOT_NAME
         root.mkdir(mode=0o700, exist_ok=True)
-        self.name = f"run-{os.getpid()}-{secrets.token_hex(4)}"
+        self.name = f"run-{owner_name()}-{secrets.token_hex(4)}"  # the owner, named from the first moment
         self.path = root / self.name
         self.path.mkdir(mode=0o700)
-        start = process_start_time(os.getpid())
-        (self.path / "owner").write_text(f"{os.getpid()} {start}\n")
 
     def record_cgroups(self, dirs: list[Path]) -> None:
         """Where this run's cgroups are, for whoever removes the run dir (this process or a reaper)."""

@@ -1,15 +1,16 @@
 """Everything tvcache leaves on a machine names its owner, and what a dead owner left is reclaimed.
 
 A training job dies by `kill -9`, OOM or preemption without closing anything, so nothing it made may depend on
-a clean exit to go away. An owner is a process, named by its pid and its start time (field 22 of
-/proc/<pid>/stat, clock ticks since boot): a pid the kernel has since given to another process does not pass
-for the owner. What names it:
+a clean exit to go away. An owner is a process, named by its pid, its start time (field 22 of /proc/<pid>/stat,
+clock ticks since boot: a pid the kernel has since given to another process does not pass for the owner) and its
+PID namespace (an owner in another one, such as a container sharing /dev/shm, is never judged from here). What
+names it:
 
-- scratch, a directory made by `scratch_dir(kind, parent)`, is called `tvcache-<kind>-<pid>-<start>-<token>`
-  from the moment it exists (no window where a crash leaves it unnamed). Mounts below it are detached when it
-  is reclaimed (a debootstrap root mounts /proc);
-- a `WorkspaceSandboxes` run dir, `<tmp>/tvcache-workspace/run-<pid>-<token>/`, holds an `owner` file, its
-  mounts and the list of its cgroups (see `_rundir`);
+- scratch, a directory made by `scratch_dir(kind, parent)`, is called
+  `tvcache-<kind>-<pid>-<start>-<pid namespace>-<token>` from the moment it exists (no window where a crash leaves
+  it unnamed). Mounts below it are detached when it is reclaimed (a debootstrap root mounts /proc);
+- a `WorkspaceSandboxes` run dir, `<tmp>/tvcache-workspace/run-<pid>-<start>-<pid namespace>-<token>/`, holds
+  its mounts and the list of its cgroups, which are named as it is (see `_rundir`);
 - Docker containers, images and networks carry the labels `tvcache.run` and `tvcache.owner` (see `_docker_run`).
 
 Whatever makes scratch or a run dir first reclaims everything of dead owners in its parent and in the usual
@@ -45,14 +46,19 @@ __all__ = [
     "owner_alive",
     "process_start_time",
     "reclaim_dead",
+    "run_owner",
     "scratch",
     "scratch_dir",
     "scratch_parents",
 ]
 
-#: `tvcache-<kind>-<pid>-<start>-<token>`; a kind is words of letters joined by hyphens, so it never swallows
-#: the numbers after it.
-_NAME = re.compile(r"^tvcache-(?P<kind>[a-z]+(?:-[a-z]+)*)-(?P<pid>\d+)-(?P<start>\d+)-(?P<token>[0-9a-f]{8})$")
+#: `tvcache-<kind>-<pid>-<start>-<pid namespace>-<token>`; a kind is words of letters joined by hyphens, so it
+#: never swallows the numbers after it.
+_NAME = re.compile(
+    r"^tvcache-(?P<kind>[a-z]+(?:-[a-z]+)*)-(?P<pid>\d+)-(?P<start>\d+)-(?P<namespace>\d+)-(?P<token>[0-9a-f]{8})$"
+)
+#: A workspace run dir and its cgroups: `run-<pid>-<start>-<pid namespace>-<token>`.
+_RUN = re.compile(r"^run-(?P<pid>\d+)-(?P<start>\d+)-(?P<namespace>\d+)-[0-9a-f]{8}$")
 #: SQLite scratch from before owners were named by start time (`mkdtemp(prefix="tvcache-sqlite-<pid>-")`): its
 #: owner is gone only when no process has that pid at all.
 _OLD_SQLITE = re.compile(r"^tvcache-sqlite-(?:build-)?(?P<pid>\d+)-[a-z0-9_]{8}$")
@@ -69,15 +75,26 @@ def process_start_time(pid: int) -> str | None:
     return data[data.rindex(b")") + 2 :].split()[19].decode()
 
 
-def owner_alive(pid: int, start: str) -> bool:
-    """Whether the process that started at `start` with pid `pid` still runs (not a later one with its pid)."""
+def pid_namespace() -> str:
+    """This process's PID namespace (the inode of /proc/self/ns/pid)."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def owner_alive(pid: int, start: str, namespace: str | None = None) -> bool:
+    """Whether the process that started at `start` with pid `pid` still runs (not a later one with its pid). An
+    owner in another PID namespace (a container sharing this /dev/shm, as `--ipc=host` does) has pids this process
+    cannot look up: it counts as alive."""
+    if namespace is not None and namespace != pid_namespace():
+        return True
     return process_start_time(pid) == start
 
 
-def owner_name(pid: int | None = None) -> str:
-    """`<pid>-<start>` of this process (or of `pid`)."""
-    pid = os.getpid() if pid is None else pid
-    return f"{pid}-{process_start_time(pid)}"
+def owner_name() -> str:
+    """`<pid>-<start>-<pid namespace>` of this process."""
+    return f"{os.getpid()}-{process_start_time(os.getpid())}-{pid_namespace()}"
 
 
 def die_with_parent() -> None:
@@ -92,7 +109,7 @@ def die_with_parent() -> None:
 
 
 def scratch_dir(kind: str, parent: str | os.PathLike[str] | None = None) -> Path:
-    """A new private directory `<parent>/tvcache-<kind>-<pid>-<start>-<token>` (parent: the system's temp dir),
+    """A new private directory `<parent>/tvcache-<kind>-<owner>-<token>` (parent: the system's temp dir),
     after reclaiming what dead owners left in `parent`. Removing it is the caller's job."""
     if not re.fullmatch(r"[a-z]+(?:-[a-z]+)*", kind):
         raise ValueError(f"a scratch kind is words of lowercase letters joined by '-', got {kind!r}")
@@ -160,7 +177,8 @@ def _subdirs(path: Path) -> list[Path]:
 
 def leftovers(parents: Iterable[Path], *, sized: bool = True) -> list[Leftover]:
     """What dead owners left in `parents`: scratch, and workspace run dirs (`<parent>/tvcache-workspace/run-*`)
-    with the mounts and cgroups they hold. `sized`: measure each (a walk of the tree)."""
+    with the mounts and cgroups they hold; and workspace cgroups whose run dir is gone, wherever it was. `sized`:
+    measure each (a walk of the tree)."""
     from ._rundir import reap, stale_run_dirs
 
     found = []
@@ -178,14 +196,43 @@ def leftovers(parents: Iterable[Path], *, sized: bool = True) -> list[Leftover]:
             pid = run_dir.name.split("-")[1]
             size = du(run_dir) if sized else 0
             found.append(Leftover(str(run_dir), "workspace", pid, size, functools.partial(reap, run_dir)))
+    return found + cgroup_leftovers()
+
+
+def cgroup_leftovers() -> list[Leftover]:
+    """Workspace runs' cgroups (`<hierarchy>/.../tvcache-workspace/run-<owner>-<token>`) whose owner is gone: a
+    run dir reclaimed normally takes its cgroups along, so these are the ones whose run dir was deleted unreaped."""
+    from ._cgroups import GROUP, _mounts, remove_tree
+
+    v1, v2 = _mounts()
+    found = []
+    for point in {where for where, _ in [*v1.values(), *([v2] if v2 else [])]}:
+        for folder, dirs, _ in os.walk(point):
+            if os.path.basename(folder) == GROUP:
+                for name in dirs:
+                    owner = run_owner(name)
+                    if owner is not None and not owner_alive(*owner):
+                        path = Path(folder, name)
+                        found.append(
+                            Leftover(str(path), "cgroup", str(owner[0]), 0, functools.partial(remove_tree, path))
+                        )
+                dirs[:] = []
+            elif folder.count("/") - str(point).count("/") >= 4:  # the shared group sits near this process's own
+                dirs[:] = []
     return found
+
+
+def run_owner(name: str) -> tuple[int, str, str] | None:
+    """(pid, start, PID namespace) of a workspace run named `run-<pid>-<start>-<namespace>-<token>`."""
+    m = _RUN.match(name)
+    return (int(m["pid"]), m["start"], m["namespace"]) if m else None
 
 
 def _dead_owner(name: str) -> tuple[str, str] | None:
     """(kind, owner pid) if `name` is scratch whose owner is gone, else None."""
     m = _NAME.match(name)
     if m is not None:
-        return None if owner_alive(int(m["pid"]), m["start"]) else (m["kind"], m["pid"])
+        return None if owner_alive(int(m["pid"]), m["start"], m["namespace"]) else (m["kind"], m["pid"])
     m = _OLD_SQLITE.match(name)
     if m is not None and not os.path.exists(f"/proc/{m['pid']}"):
         return "sqlite", m["pid"]
