@@ -38,15 +38,21 @@ def tvcache_command(
     environ.update(env or {})
     if missing:
         assert tmp is not None
-        fake = tmp / "missing-modules"
-        for name in missing:
-            (fake / name).mkdir(parents=True, exist_ok=True)
-            (fake / name / "__init__.py").write_text(
-                f"raise ModuleNotFoundError({f'No module named {name!r}'!r}, name={name!r})\n"
-            )
+        fake = unimportable(tmp, *missing)
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(fake), environ.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "tvcache.cli", *args]
     return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=120, cwd=tmp)
+
+
+def unimportable(tmp: Path, *names: str) -> Path:
+    """A directory which, first on the path, makes the modules `names` raise ModuleNotFoundError."""
+    fake = tmp / "missing-modules"
+    for name in names:
+        (fake / name).mkdir(parents=True, exist_ok=True)
+        (fake / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError({f'No module named {name!r}'!r}, name={name!r})\n"
+        )
+    return fake
 
 
 def one_line_error(result: subprocess.CompletedProcess[str], code: int = 2) -> str:
@@ -216,6 +222,58 @@ def test_a_missing_extra_says_what_to_install(
     extra = re.search(r"the '(\w+)' extra", says)
     assert extra and says in line, line
     assert re.search(rf"pip install (-e )?'[^']*\[{extra[1]}\]'$", line), line
+
+
+def test_docker_sandboxes_without_the_docker_extra(tmp_path: Path, sql_traces: Path) -> None:
+    """The command line: one line naming the extra; the library: an ImportError whose message is the same."""
+    args = ["replay", str(sql_traces), "--sandbox", "docker", "--image", "x", "--no-progress"]
+    line = one_line_error(tvcache_command(*args, missing=("aiodocker",), tmp=tmp_path))
+    assert line.startswith("tvcache replay: error: a Docker sandbox needs the 'docker' extra (No module named"), line
+    assert re.search(r"pip install (-e )?'[^']*\[docker\]'$", line), line
+    script = "import tvcache\ntry:\n    tvcache.DockerSandboxes('x')\nexcept ImportError as e:\n    print(e)\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(unimportable(tmp_path, "aiodocker")), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.startswith("a Docker sandbox needs the 'docker' extra (No module named 'aiodocker'): pip"), out
+
+
+def test_check_store_says_what_it_checked_not_which_operation_it_used() -> None:
+    """`check_store=True` against a server that is not there: the message names the server and the check, and
+    nothing of the store protocol (the ping is a look-up of snapshots, an internal operation)."""
+
+    async def main() -> str:
+        url = f"http://127.0.0.1:{free_port()}"
+        with pytest.raises(tvcache.StoreError) as caught:
+            async with (
+                tvcache.ToolCache(url, check_store=True) as cache,
+                cache.rollout("t", kv.sandboxes(), kv.TOOLS),
+            ):
+                pass
+        return str(caught.value)
+
+    message = asyncio.run(main())
+    assert message.startswith("the cache store does not answer: cache server http://127.0.0.1:"), message
+    assert "failed on a ping: ClientConnectorError" in message and "snapshots" not in message, message
+
+
+def test_workspace_sandboxes_without_bubblewrap(tmp_path: Path) -> None:
+    """A PATH with everything but bwrap: one line saying what to install, before any work."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for directory in os.environ["PATH"].split(os.pathsep):
+        for entry in Path(directory).glob("*") if Path(directory).is_dir() else []:
+            if entry.name != "bwrap" and not (bin_dir / entry.name).exists():
+                (bin_dir / entry.name).symlink_to(entry)
+    traces = tmp_path / "bash.jsonl"
+    write_traces(traces, [Trace("t", "r0", "test", [TraceCall("bash", {"command": "ls"})])])
+    (tmp_path / "base").mkdir()
+    args = ["replay", str(traces), "--sandbox", "workspace", "--base", str(tmp_path / "base"), "--no-progress"]
+    line = one_line_error(tvcache_command(*args, env={"PATH": str(bin_dir)}, tmp=tmp_path))
+    assert (
+        line
+        == "tvcache replay: error: workspace sandboxes need bubblewrap: apt-get install bubblewrap (or dnf, apk, ...)"
+    )
+    line = one_line_error(tvcache_command("bench", "sandbox", env={"PATH": str(bin_dir)}, tmp=tmp_path))
+    assert line.startswith("tvcache bench sandbox: error: workspace sandboxes need bubblewrap"), line
 
 
 def test_grpo_without_torch_says_to_install_a_cpu_build_first(tmp_path: Path) -> None:

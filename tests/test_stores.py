@@ -516,7 +516,7 @@ def test_http_store_ping_checks_the_server_its_token_and_its_store(tmp_path: Pat
         with pytest.raises(StoreError, match=r"503: .*corrupt entry"):
             await right.lookup(SCOPE.key, ROOT, D1)
         server.stop()
-        with pytest.raises(StoreError, match="failed on snapshots"):  # a pooled connection: "disconnected"
+        with pytest.raises(StoreError, match="failed on a ping"):  # a pooled connection: "disconnected"
             await right.ping()
         for store in (right, wrong, none):
             await store.close()

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from tvcache.extras import MissingExtra, install_command, require
+from tvcache.sandboxes.base import SandboxError
 
 from .data import MissingData, workloads_dir
 from .strategies import STRATEGIES
@@ -184,6 +185,13 @@ def _check(args: argparse.Namespace, command: str) -> None:
             from .workloads.grpo.model import gguf_file
 
             gguf_file()  # MissingModel (a MissingExtra) names the package to install
+    if _workspace_sandboxes(args):
+        from tvcache.sandboxes._jail import find_bwrap
+
+        try:
+            find_bwrap()
+        except SandboxError as exc:
+            _fail(command, str(exc))
     store = getattr(args, "store", None)
     if store is not None:
         from tvcache.stores import open_store
@@ -193,6 +201,13 @@ def _check(args: argparse.Namespace, command: str) -> None:
         except ValueError as exc:
             _fail(command, f"--store: {exc}")
         asyncio.run(opened.close())
+
+
+def _workspace_sandboxes(args: argparse.Namespace) -> bool:
+    """Does the command run workspace sandboxes (which need bubblewrap)?"""
+    if args.command == "replay":
+        return bool(args.sandbox == "workspace")
+    return bool(args.workload in ("swe", "video", "sandbox", "docker"))  # docker: from_image beside containers
 
 
 def _fail(command: str, message: str) -> NoReturn:

@@ -68,7 +68,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiodocker
+from ..extras import require
+
+try:
+    import aiodocker
+except ImportError:
+    require("docker", "a Docker sandbox", "aiodocker")  # raises MissingExtra: the extra to install, in one line
+    raise
 
 from ..calls import ToolCall
 from . import _fastpaths as fast

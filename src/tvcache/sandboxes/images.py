@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from ..extras import require
 from .base import SandboxError
 from .reclaim import scratch, scratch_dir
 
@@ -231,6 +232,7 @@ def _read_archive(path: Path) -> ImageRoot:
 
 
 async def _from_daemon(image: str, docker_url: str | None) -> ImageRoot:
+    require("docker", "an image on a Docker daemon", "aiodocker")
     import aiodocker
 
     from ._docker_pipeline import inspect_image

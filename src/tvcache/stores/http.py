@@ -112,7 +112,11 @@ class HTTPStore:
             await anext(self._closer)
         return self._session
 
-    async def _call(self, name: str, request: msgspec.Struct | None, reply: type[T] | Any, wait: float = 0.0) -> T:
+    async def _call(
+        self, name: str, request: msgspec.Struct | None, reply: type[T] | Any, wait: float = 0.0, *, doing: str = ""
+    ) -> T:
+        """One request to the operation `name`; errors name what the caller was `doing` (default: the operation)."""
+        doing = doing or name
         timeout = None
         if wait:
             timeout = aiohttp.ClientTimeout(total=wait + WAIT_MARGIN, sock_connect=self._connect_timeout)
@@ -126,17 +130,17 @@ class HTTPStore:
             async with response:
                 data = await response.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise StoreError(f"cache server {self.url} failed on {name}: {type(exc).__name__}: {exc}") from exc
+            raise StoreError(f"cache server {self.url} failed on {doing}: {type(exc).__name__}: {exc}") from exc
         if response.status != 200:
             try:
                 message = _errors.decode(data).error
             except msgspec.DecodeError:
                 message = data[:200].decode(errors="replace")
-            raise StoreError(f"cache server {self.url} answered {name} with {response.status}: {message}")
+            raise StoreError(f"cache server {self.url} answered {doing} with {response.status}: {message}")
         try:
             result: T = _decoder(reply).decode(data)
         except msgspec.DecodeError as exc:
-            raise StoreError(f"cache server {self.url} sent an invalid {name} reply: {exc}") from exc
+            raise StoreError(f"cache server {self.url} sent an invalid reply to {doing}: {exc}") from exc
         return result
 
     # -- the Store protocol ----------------------------------------------------------------------------
@@ -199,7 +203,7 @@ class HTTPStore:
     async def ping(self) -> None:
         """One authenticated round trip that reaches the server's store (the snapshots of a scope no task has):
         a server that is down, a wrong token or a server whose store fails raise `StoreError`."""
-        await self._call("snapshots", SnapshotsRequest(PING_SCOPE, None), list[SnapshotRecord])
+        await self._call("snapshots", SnapshotsRequest(PING_SCOPE, None), list[SnapshotRecord], doing="a ping")
 
     async def close(self) -> None:
         closer, self._closer, self._session = self._closer, None, None
