@@ -82,9 +82,11 @@ class ToolCache:
 
     @property
     def store(self) -> Store:
+        """The store the graph lives in."""
         return self._ctx.store
 
     def scope(self, task: str, sandboxes: Sandboxes) -> Scope:
+        """The scope of `task`'s graph: this cache's namespace, the task id and the sandboxes' fingerprint."""
         return Scope(self.namespace, task, sandboxes.fingerprint)
 
     async def check(self) -> None:
@@ -115,6 +117,8 @@ class ToolCache:
         return Rollout(self._ctx, self.scope(task, sandboxes), sandboxes, tools)
 
     def stats(self) -> dict[str, float]:
+        """The cache's counters: calls, hits, executions, waits, replays, snapshots, store_errors, seconds_saved,
+        ... (see the Getting started page's Stats section)."""
         return self._ctx.stats.as_dict()
 
     async def prefetch(self, tasks: Iterable[str], sandboxes: Sandboxes, rollouts: int = 8) -> asyncio.Task[int]:

@@ -219,4 +219,5 @@ class Tools:
         object.__setattr__(self, "key", dict(key or {}))
 
     def call(self, tool: str, args: Mapping[str, Any] | str | None = None) -> ToolCall:
+        """The `ToolCall` of `tool` with `args`, keyed by the tool's key function if it has one."""
         return ToolCall(tool, args, key=self.key.get(tool))

@@ -107,6 +107,14 @@ class _Claim:
 
 
 class Rollout:
+    """One trajectory of a task: its tool calls, answered from the cache or executed in a sandbox at its state.
+
+    Made by `ToolCache.rollout(task, sandboxes, tools)` (a block) or `ToolCache.open(...)` (a rollout that spans
+    a framework's setup and cleanup). It holds a cursor, the node of the task's graph its calls have reached, and,
+    only once a call misses, a live sandbox at that state. Its calls run one at a time in the order they were
+    issued. `stats` has its own counts; a closed rollout refuses calls.
+    """
+
     def __init__(self, ctx: Context, scope: Scope, sandboxes: Sandboxes, tools: Tools | None):
         self._ctx = ctx
         self._scope = scope
@@ -123,10 +131,13 @@ class Rollout:
 
     @property
     def cursor(self) -> bytes:
+        """The id of the graph node (sandbox state) the rollout's calls have reached."""
         return self._history.cursor
 
     @property
     def detached(self) -> bool:
+        """True once the rollout left the graph (a failed or uncacheable call that may have changed the state, a
+        replay that differed): it then executes every call directly in its own sandbox and records nothing."""
         return self._detached
 
     @property

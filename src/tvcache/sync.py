@@ -34,19 +34,23 @@ class SyncRollout:
         self._owner, self._rollout = owner, rollout
 
     def call(self, tool: str, args: Mapping[str, Any] | str | None = None) -> Result:
+        """`Rollout.call`, blocking until it answers."""
         return self._owner._run(self._rollout.call(tool, args))
 
     def grade(
         self, tool: str, args: Mapping[str, Any] | str | None = None, *, files: Mapping[str, str] | None = None
     ) -> Result:
+        """`Rollout.grade`, blocking until it answers."""
         return self._owner._run(self._rollout.grade(tool, args, files=files))
 
     @property
     def detached(self) -> bool:
+        """`Rollout.detached`."""
         return self._rollout.detached
 
     @property
     def stats(self) -> RolloutStats:
+        """The rollout's own counts."""
         return self._rollout.stats
 
     @property
@@ -97,9 +101,11 @@ class SyncToolCache:
         self._run(self.cache.prefetch(list(tasks), sandboxes, rollouts))
 
     def stats(self) -> dict[str, float]:
+        """`ToolCache.stats`."""
         return self.cache.stats()
 
     def close(self) -> None:
+        """Close the cache and stop its background loop. Idempotent."""
         if self._loop.is_closed():
             return
         try:

@@ -51,26 +51,40 @@ class SandboxBusy(SandboxError):
 
 @runtime_checkable
 class Sandbox(Protocol):
-    async def execute(self, call: ToolCall) -> Outcome: ...
+    """A live sandbox: one environment that executes tool calls in its own state."""
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        """Run one call in this sandbox's state: its output, whether it changed the state (None: not observed),
+        and whether the tool failed (a timeout, a limit hit). Raises `SandboxError` when the machinery fails."""
+        ...
 
     async def snapshot(self) -> str:
         """Save the current state as an immutable snapshot and return its id; the sandbox stays usable."""
         ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """End the sandbox and free what it holds (its snapshots stay, held by the factory)."""
+        ...
 
 
 @runtime_checkable
 class Sandboxes(Protocol):
+    """A sandbox factory: makes sandboxes in a task's starting state and restores the snapshots they took. The
+    cache knows a factory by the object itself (its snapshots can only be restored through it)."""
+
     @property
     def fingerprint(self) -> str:
         """Identifies the starting state: a content hash of the base directory, database or image."""
         ...
 
-    async def create(self) -> Sandbox: ...
+    async def create(self) -> Sandbox:
+        """A new sandbox in the starting state."""
+        ...
 
     async def restore(self, snapshot_id: str) -> Sandbox:
         """A new sandbox in the snapshot's state; raises if the snapshot no longer exists."""
         ...
 
-    async def delete(self, snapshot_id: str) -> None: ...
+    async def delete(self, snapshot_id: str) -> None:
+        """Forget a snapshot and free what it holds (the cache's eviction calls it)."""
+        ...
