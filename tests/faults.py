@@ -31,7 +31,9 @@ class FaultyBox:
         return await self.inner.execute(call)
 
     async def snapshot(self) -> str:
-        return await self.inner.snapshot()
+        snapshot_id = await self.inner.snapshot()
+        self.factory.snapshots.append(snapshot_id)
+        return str(snapshot_id)
 
     async def close(self) -> None:
         assert not self.closed, "sandbox closed twice"
@@ -46,6 +48,7 @@ class FaultySandboxes:
         self.fault: Callable[[ToolCall], str | None] | None = None
         self.open: set[FaultyBox] = set()
         self.deleted: list[str] = []
+        self.snapshots: list[str] = []  # every snapshot its sandboxes made
         self.created = 0
         self.restored = 0
 
