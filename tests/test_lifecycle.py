@@ -270,3 +270,20 @@ def test_a_detached_rollout_survives_a_bad_call_and_goes_on() -> None:
         assert not boxes.open
 
     asyncio.run(main())
+
+
+def test_the_public_api_names_its_types_and_the_command_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from tvcache.cli import main
+
+    async def stats() -> Any:
+        async with tvcache.ToolCache() as cache, cache.rollout("t", kv.sandboxes(), kv.TOOLS) as r:
+            return r.stats
+
+    assert type(asyncio.run(stats())) is tvcache.RolloutStats
+    for error in (tvcache.ToolError, tvcache.SandboxError, tvcache.StoreError, tvcache.SnapshotGone):
+        assert issubclass(error, tvcache.TVCacheError)
+    assert issubclass(tvcache.ToolError, ValueError)  # what a refused call raised before, still caught
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tvcache {tvcache.__version__}"
