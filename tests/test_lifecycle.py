@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -287,3 +288,27 @@ def test_the_public_api_names_its_types_and_the_command_its_version(capsys: pyte
         main(["--version"])
     assert exit.value.code == 0
     assert capsys.readouterr().out.strip() == f"tvcache {tvcache.__version__}"
+
+
+def test_remote_sandboxes_raise_what_local_ones_do_and_refuse_use_after_close(tmp_path: Path) -> None:
+    """A real sandbox server on loopback serving the kv world."""
+    from server_helpers import SandboxServer
+
+    async def main(url: str) -> None:
+        boxes = tvcache.RemoteSandboxes(url)
+        box = await boxes.create()
+        with pytest.raises(tvcache.ToolError, match="unknown tool"):  # was a private _Refused
+            await box.execute(tvcache.ToolCall("no_such_tool", {}))
+        assert (await box.execute(tvcache.ToolCall("write", {"key": "a", "value": "x"}))).output == "ok"
+        snapshot = await box.snapshot()
+        await boxes.delete(snapshot)
+        with pytest.raises(tvcache.SnapshotGone):
+            await boxes.restore(snapshot)
+        await box.close()
+        await boxes.close()
+        await boxes.close()  # a second close does nothing
+        with pytest.raises(RuntimeError, match="closed"):
+            await boxes.create()
+
+    with SandboxServer(tmp_path, ["--sandbox", "python:server_helpers:sandboxes"]) as server:
+        asyncio.run(main(server.url))
