@@ -3,6 +3,7 @@ mid-call, and a store that goes away. Everything else they pass through to the r
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,9 @@ class FaultyBox:
         return await self.inner.execute(call)
 
     async def snapshot(self) -> str:
-        return await self.inner.snapshot()
+        snapshot_id = await self.inner.snapshot()
+        self.factory.snapshots.append(snapshot_id)
+        return str(snapshot_id)
 
     async def close(self) -> None:
         assert not self.closed, "sandbox closed twice"
@@ -46,20 +49,29 @@ class FaultySandboxes:
         self.fault: Callable[[ToolCall], str | None] | None = None
         self.open: set[FaultyBox] = set()
         self.deleted: list[str] = []
+        self.snapshots: list[str] = []  # every snapshot its sandboxes made
         self.created = 0
         self.restored = 0
+        self.failing_restores = 0
+        self.failing_creates = 0
 
     @property
     def fingerprint(self) -> str:
         return str(self.inner.fingerprint)
 
     async def create(self) -> FaultyBox:
+        if self.failing_creates:
+            self.failing_creates -= 1
+            raise SandboxError("no room for another sandbox")
         self.created += 1
         box = FaultyBox(self, await self.inner.create())
         self.open.add(box)
         return box
 
     async def restore(self, snapshot_id: str) -> FaultyBox:
+        if self.failing_restores:  # a restore that fails for a reason that may pass (a host restarting)
+            self.failing_restores -= 1
+            raise OSError("connection reset while restoring")
         box = FaultyBox(self, await self.inner.restore(snapshot_id))
         self.restored += 1
         self.open.add(box)
@@ -71,18 +83,41 @@ class FaultySandboxes:
 
 
 class FlakyStore:
-    """Delegates to a real store; while `down`, every operation raises as an unreachable server would."""
+    """Delegates to a real store; while `down`, every operation raises as an unreachable server would, and so
+    does every operation named in `failing`. An operation named in `held` waits, before or after doing its
+    work, until the test sets the event (`reached[name]` is set once it got there): a network store whose
+    request or reply is slow, where a cancellation lands before or after the server acted."""
 
     def __init__(self, inner: Any):
         self.inner = inner
         self.down = False
+        self.failing: set[str] = set()
+        self.held: dict[str, asyncio.Event] = {}
+        self.reached: dict[str, asyncio.Event] = {}
+        self.before: set[str] = set()
+
+    def hold(self, name: str, before: bool = False) -> asyncio.Event:
+        self.reached[name] = asyncio.Event()
+        self.held[name] = asyncio.Event()
+        if before:
+            self.before.add(name)
+        return self.held[name]
+
+    async def _wait(self, name: str) -> None:
+        self.reached[name].set()
+        await self.held[name].wait()
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.inner, name)
 
         async def call(*args: Any, **kwargs: Any) -> Any:
-            if self.down and name != "close":
+            if (self.down or name in self.failing) and name != "close":
                 raise StoreError("connection refused")
-            return await method(*args, **kwargs)
+            if name in self.held and name in self.before:
+                await self._wait(name)
+            result = await method(*args, **kwargs)
+            if name in self.held and name not in self.before:
+                await self._wait(name)
+            return result
 
         return call

@@ -10,12 +10,13 @@ Importing this package loads only the core (no servers, no Docker); backends loa
 
 from typing import Any
 
-from .cache import ToolCache
+from .cache import State, ToolCache
 from .calls import ToolCall, Tools, parse_tool_call
+from .errors import SandboxBusy, SandboxError, SnapshotGone, StoreError, ToolError, TVCacheError
 from .graph import Entry, Scope
-from .rollout import Result, Rollout, current_rollout
-from .sandboxes.base import Outcome, Sandbox, SandboxBusy, SandboxError, Sandboxes
-from .stores.base import Store, StoreError
+from .rollout import Result, Rollout, RolloutStats, current_rollout
+from .sandboxes.base import Outcome, Sandbox, Sandboxes
+from .stores.base import Store
 from .sync import SyncRollout, SyncToolCache
 from .version import __version__
 
@@ -27,18 +28,23 @@ __all__ = [
     "RemoteSandboxes",
     "Result",
     "Rollout",
+    "RolloutStats",
     "SQLiteSandboxes",
     "Sandbox",
     "SandboxBusy",
     "SandboxError",
     "Sandboxes",
     "Scope",
+    "SnapshotGone",
+    "State",
     "Store",
     "StoreError",
     "SyncRollout",
     "SyncToolCache",
+    "TVCacheError",
     "ToolCache",
     "ToolCall",
+    "ToolError",
     "ToolFunctions",
     "Tools",
     "WorkspaceSandboxes",

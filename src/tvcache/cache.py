@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
 
 from .calls import Tools
@@ -16,12 +17,21 @@ from .rollout import Rollout, _current
 from .sandboxes.base import Sandbox, Sandboxes
 from .stats import Stats
 from .stores import Store, open_store
-from .stores.base import StoreError
+from .stores.base import Lease, StoreError
+from .tasks import TaskGroup
 from .warm import WarmPool
 
-__all__ = ["ToolCache"]
+__all__ = ["State", "ToolCache"]
 
 log = logging.getLogger("tvcache")
+
+
+class State(enum.Enum):
+    """Where a `ToolCache` (or `SyncToolCache`) is in its life; see `ToolCache.state`."""
+
+    UNOPENED = "unopened"
+    OPENED = "opened"
+    CLOSED = "closed"
 
 
 class ToolCache:
@@ -41,6 +51,11 @@ class ToolCache:
     `"raise"` lets the `StoreError` reach the caller, for runs that must not go on uncached. `check_store=True`
     pings the store before the first rollout starts and raises `StoreError` if it does not answer (`await
     cache.check()` does the same at any time).
+
+    Its life is httpx's client's: usable once made, `async with` it (once) to have it closed at the end; after
+    `close()` every method but `stats()` raises `RuntimeError`, and closing again does nothing. Closing cancels
+    its background work (prefetch, claim refreshes), closes its open rollouts (waiting for a call in progress),
+    the warm sandboxes and the store; when it returns, every task the cache started has ended.
     """
 
     def __init__(
@@ -65,20 +80,27 @@ class ToolCache:
         if on_store_error not in ("continue", "raise"):
             raise ValueError(f"on_store_error must be 'continue' or 'raise', got {on_store_error!r}")
         self.namespace = namespace
+        tasks = TaskGroup()
         self._ctx = Context(
             store=store if store is not None else open_store(url),
             stats=Stats(),
-            warm=WarmPool(warm_limit),
+            warm=WarmPool(tasks, warm_limit),
             claim_ttl=claim_ttl,
             lease_ttl=lease_ttl,
             snapshot_budget=snapshot_budget,
             max_output_bytes=max_output_bytes,
             on_store_error=on_store_error,
+            tasks=tasks,
         )
+        self._state = State.UNOPENED
         self._unchecked = check_store
         self._prefetch_limit = asyncio.Semaphore(prefetch_concurrency)
         self._pending: Counter[tuple[str, str]] = Counter()  # prefetches under way, by (origin, scope or snapshot)
-        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def state(self) -> State:
+        """`UNOPENED` (usable: a cache need not be entered), `OPENED` (inside `async with`) or `CLOSED`."""
+        return self._state
 
     @property
     def store(self) -> Store:
@@ -91,6 +113,7 @@ class ToolCache:
 
     async def check(self) -> None:
         """Ping the store; raise `StoreError` saying what is wrong if it does not answer."""
+        self._ctx.check_open()
         try:
             await self._ctx.store.ping()
         except StoreError as exc:
@@ -111,6 +134,7 @@ class ToolCache:
     async def open(self, task: str, sandboxes: Sandboxes, tools: Tools | None = None) -> Rollout:
         """A rollout that outlives any one block of code (an environment from its setup to its cleanup, in
         other tasks); `await rollout.close()` it when done. `tvcache.current_rollout()` does not return it."""
+        self._ctx.check_open()
         if self._unchecked:
             await self.check()
             self._unchecked = False
@@ -125,78 +149,107 @@ class ToolCache:
         """Warm sandboxes for the next step's tasks, in the background: up to `rollouts` fresh ones per task
         and one restored fork of each snapshot the graph holds for it. Rollouts that miss take warm ones first.
 
-        Returns at once with the background `asyncio.Task`; its result is the number of sandboxes made. Awaiting
-        it is optional (a step usually runs while it works); `close()` cancels what is still under way and
-        closes the warm sandboxes nobody took.
+        Returns, once the work has started, the background `asyncio.Task`; its result is the number of
+        sandboxes made (one that could not be made is logged). Awaiting it is optional (a step usually runs
+        while it works); `close()` cancels what is still under way and closes the warm sandboxes nobody took.
         """
+        self._ctx.check_open()
         origin = self._ctx.factories[sandboxes].origin
-        warm, jobs = self._ctx.warm, []
-        for task in tasks:
-            scope_key = self.scope(task, sandboxes).key
-            pending = (origin, scope_key)
-            missing = rollouts - warm.count(("fresh", origin, scope_key)) - self._pending[pending]
-            jobs += [self._warm_fresh(sandboxes, origin, scope_key) for _ in range(max(0, missing))]
-            self._pending[pending] += max(0, missing)
-            try:
-                records = await self._ctx.store.snapshots(scope_key, origin)
-            except StoreError as exc:
-                self._ctx.store_failed(exc)
-                continue
-            for record in records:
-                pending = (origin, record.snapshot_id)
-                if warm.count(("fork", origin, record.snapshot_id)) + self._pending[pending] == 0:
-                    self._pending[pending] += 1
-                    jobs.append(self._warm_fork(sandboxes, origin, scope_key, record.node, record.snapshot_id))
+        warm, names, jobs = self._ctx.warm, list(tasks), []
+        scope_keys = [self.scope(task, sandboxes).key for task in names]
+        for scope_key in scope_keys:
+            missing = rollouts - warm.count(("fresh", origin, scope_key)) - self._pending[(origin, scope_key)]
+            jobs += [
+                self._start((origin, scope_key), self._warm_fresh(sandboxes, origin, scope_key)) for _ in range(missing)
+            ]
+        try:
+            for scope_key in scope_keys:
+                try:
+                    records = await self._ctx.store.snapshots(scope_key, origin)
+                except StoreError as exc:
+                    self._ctx.store_failed(exc)
+                    continue
+                for record in records:
+                    key = (origin, record.snapshot_id)
+                    if warm.count(("fork", *key)) + self._pending[key] == 0:
+                        jobs.append(self._start(key, self._warm_fork(sandboxes, scope_key, record.node, *key)))
+        finally:
+            counted = self._ctx.tasks.spawn(_count(jobs), background=True)
+        return counted
 
-        # Each job is a task of its own from the start, so `close()` can cancel any of them at any point.
-        started = [self._track(asyncio.create_task(job)) for job in jobs]
+    def _start(self, pending: tuple[str, str], job: Coroutine[Any, Any, bool]) -> asyncio.Task[bool]:
+        """Start a prefetch job as a background task of the cache, counted as pending until it ends, however."""
+        self._pending[pending] += 1
+        task = self._ctx.tasks.spawn(job, background=True)
 
-        async def run() -> int:
-            made = await asyncio.gather(*started, return_exceptions=True)
-            return sum(1 for m in made if m is True)
+        def ended(done: asyncio.Task[bool]) -> None:
+            self._pending[pending] -= 1
+            if not done.cancelled() and done.exception() is not None:
+                log.warning("prefetch could not make a sandbox: %r", done.exception())
 
-        return self._track(asyncio.create_task(run()))
-
-    def _track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(ended)
         return task
 
     async def _warm_fresh(self, sandboxes: Sandboxes, origin: str, scope_key: str) -> bool:
-        try:
-            async with self._prefetch_limit:
-                box = await sandboxes.create()
-            await self._ctx.warm.put(("fresh", origin, scope_key), box)
-            return True
-        finally:
-            self._pending[(origin, scope_key)] -= 1
+        async with self._prefetch_limit:
+            box = await self._ctx.tasks.acquire(sandboxes.create(), _close)
+            self._ctx.warm.put(("fresh", origin, scope_key), box)
+        return True
 
-    async def _warm_fork(self, sandboxes: Sandboxes, origin: str, scope_key: str, node: bytes, snap: str) -> bool:
-        store = self._ctx.store
-        try:
-            async with self._prefetch_limit:
-                lease = await store.lease(scope_key, origin, [node], self._ctx.lease_ttl)
-                if lease is None or lease.snapshot_id != snap:
+    async def _warm_fork(self, sandboxes: Sandboxes, scope_key: str, node: bytes, origin: str, snap: str) -> bool:
+        store, tasks = self._ctx.store, self._ctx.tasks
+
+        async def unlease(lease: Lease | None) -> None:
+            if lease is not None:
+                await store.unlease(scope_key, lease.token)
+
+        async with self._prefetch_limit:
+            lease = await tasks.acquire(store.lease(scope_key, origin, [node], self._ctx.lease_ttl), unlease)
+            if lease is None:
+                return False
+            try:
+                if lease.snapshot_id != snap:
                     return False  # evicted meanwhile
-                try:
-                    box: Sandbox = await sandboxes.restore(snap)
-                finally:
-                    await store.unlease(scope_key, lease.token)
-            await self._ctx.warm.put(("fork", origin, snap), box)
-            return True
-        finally:
-            self._pending[(origin, snap)] -= 1
+                box: Sandbox = await tasks.acquire(sandboxes.restore(snap), _close)
+                self._ctx.warm.put(("fork", origin, snap), box)
+            finally:
+                await tasks.cleanup(unlease(lease))
+        return True
 
     async def close(self) -> None:
-        """Stop prefetching, close warm sandboxes nobody took, and close the store."""
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        await self._ctx.warm.close()
+        """Stop prefetching, close the open rollouts, the warm sandboxes nobody took and the store. Idempotent."""
+        if self._state is State.CLOSED:
+            return
+        self._state, self._ctx.closed = State.CLOSED, True
+        tasks = self._ctx.tasks
+        tasks.cancel_background()
+        for rollout in list(self._ctx.rollouts):
+            with contextlib.suppress(RuntimeError):  # one whose sandbox() block runs in this task closes with it
+                await rollout.close()
+        self._ctx.warm.close()
+        await tasks.join()
+        self._ctx.warm.close()  # what a prefetch job cancelled during the joins had filed meanwhile
+        await tasks.join()
         await self._ctx.store.close()
 
     async def __aenter__(self) -> ToolCache:
+        if self._state is not State.UNOPENED:
+            raise RuntimeError(
+                "a ToolCache can be entered (`async with`) once; it is closed at the end of that block"
+                if self._state is State.OPENED
+                else "this ToolCache is closed and cannot be reopened; make a new one"
+            )
+        self._state = State.OPENED
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+async def _count(jobs: list[asyncio.Task[bool]]) -> int:
+    made = await asyncio.gather(*jobs, return_exceptions=True)
+    return sum(1 for m in made if m is True)
+
+
+async def _close(box: Sandbox) -> None:
+    await box.close()

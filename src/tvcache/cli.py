@@ -10,6 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .version import __version__
+
 __all__ = ["main"]
 
 _BENCH_COMMANDS = {
@@ -23,6 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="tvcache", description="A stateful tool-value cache for agent RL.")
+    parser.add_argument("--version", action="version", version=f"tvcache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     server_cli.add_commands(commands)
     _add_gc(commands)

@@ -10,13 +10,16 @@ import os
 import socket
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .policy import Costs
 from .sandboxes.base import Sandboxes
 from .stats import Stats
 from .stores.base import Store, StoreError
+from .stores.flights import EmbeddedEntries
+from .tasks import TaskGroup
 from .warm import WarmPool
 
 __all__ = ["Context", "Factory", "OnStoreError", "StoreHealth"]
@@ -120,10 +123,28 @@ class Context:
     on_store_error: OnStoreError = "continue"
     factories: Factories = field(default_factory=Factories)
     health: StoreHealth = field(default_factory=StoreHealth)
+    tasks: TaskGroup = field(default_factory=TaskGroup)
+    #: Restores of a snapshot that failed without the backend saying it is gone, by snapshot id.
+    suspects: Counter[str] = field(default_factory=Counter)
+    #: The rollouts not closed yet, closed with the cache.
+    rollouts: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    closed: bool = False
 
-    def store_failed(self, exc: StoreError) -> None:
-        """A store operation failed: count it, say so (rate-limited), and raise if the cache must fail fast."""
+    @property
+    def claims_in_process(self) -> bool:
+        """Whether the store's claiming lookups take their claim in this process, after their last `await`
+        (memory, SQLite), so a cancelled lookup cannot have taken one."""
+        return isinstance(self.store, EmbeddedEntries)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this ToolCache is closed; make a new one")
+
+    def store_failed(self, exc: StoreError, *, took_effect: bool = False) -> None:
+        """A store operation failed: count it, say so (rate-limited), and raise if the cache must fail fast,
+        unless the call it served already took effect in its sandbox: a caller told it failed would retry it
+        and apply it twice, so it gets its result and the failure is only counted and logged."""
         self.stats.store_errors += 1
-        if self.on_store_error == "raise":
+        if self.on_store_error == "raise" and not took_effect:
             raise exc
         self.health.failed(exc)

@@ -11,10 +11,8 @@ deterministic, and the caller learns that the state it now holds is the sandbox'
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +20,10 @@ from .calls import ToolCall
 from .context import Context, Factory
 from .graph import child_id, decode_output, encode_output
 from .policy import Route, cheapest_route, should_snapshot, worth_leasing
-from .sandboxes.base import Sandbox, SandboxBusy, SandboxError, Sandboxes
+from .sandboxes.base import Sandbox, SandboxBusy, SandboxError, Sandboxes, SnapshotGone
 from .stores.base import Lease, StoreError
 
-__all__ = ["History", "LiveSandbox", "Step", "quietly"]
+__all__ = ["History", "LiveSandbox", "Step"]
 
 log = logging.getLogger("tvcache")
 
@@ -35,6 +33,10 @@ MAX_SNAPSHOT_FAILURES = 2
 
 #: Snapshots a miss tries to restore, deepest first, when restores fail (their host is gone).
 MAX_RESTORE_ATTEMPTS = 3
+
+#: Restores of one snapshot (each tried twice) that may fail, without the backend saying it is gone, before the
+#: snapshot is dropped from the graph and deleted: one transient failure must not lose a costly state.
+MAX_SUSPECT_FAILURES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +100,9 @@ class LiveSandbox:
     async def at_cursor(self, use_store: bool) -> tuple[Sandbox, bool]:
         """The sandbox at the history's cursor, and whether it reproduced every replayed edge exactly.
 
-        `use_store=False` (the store is down, or the rollout records nothing) rules out restoring snapshots."""
+        `use_store=False` (the store is down, or the rollout records nothing) rules out restoring snapshots.
+        Every sandbox and lease it obtains is owned (assigned to the live sandbox, or released) before the next
+        `await`, so cancelling it at any point leaks nothing."""
         target = len(self._history)
         if self._box is not None and self._depth == target:
             return self._box, True
@@ -107,28 +111,31 @@ class LiveSandbox:
         fresh_warm = warm.count(("fresh", self._origin, self._scope_key)) > 0
         fresh = (0.0 if fresh_warm else costs.create) + replay(target)
         route = cheapest_route(catch_up, fresh, None)
-        # Each failed restore drops its snapshot from the graph (lost with its host, deleted meanwhile), so
-        # asking again yields the next shallower one; a few attempts bound the round trips.
+        # A snapshot the backend says is gone is dropped from the graph, so asking again yields the next
+        # shallower one; a few attempts bound the round trips.
         for _ in range(MAX_RESTORE_ATTEMPTS if use_store and target > 0 else 0):
             if not worth_leasing(catch_up, fresh, costs.restore):
                 break
             lease = await self._lease(self._depth + 1 if self._box is not None else 1, target)
             if lease is None:
                 break
+            restored = False
             try:
                 depth = self._history.depth_of(lease.node)
                 forked = warm.count(("fork", self._origin, lease.snapshot_id)) > 0
                 restore = (0.0 if forked else costs.restore) + replay(target, depth)
                 if cheapest_route(catch_up, fresh, restore) != Route.RESTORE:
                     break
-                restored = await self._restore(lease)
-            except SandboxBusy as exc:
+                box = await self._restore(lease)
+                if box is not None:
+                    await self._replace(box, depth)
+                    restored = True
+            except _TakeAnotherRoute as exc:
                 log.info("restore of snapshot %s deferred (%s); taking another route", lease.snapshot_id, exc)
                 break
             finally:
-                await quietly(self._ctx.store.unlease(self._scope_key, lease.token))
-            if restored is not None:
-                await self._replace(restored, depth)
+                await self._ctx.tasks.cleanup(self._ctx.store.unlease(self._scope_key, lease.token))
+            if restored:
                 self._snapshot_depth = max(self._snapshot_depth, depth)
                 return await self._replay_to(target)
         if route == Route.FRESH:
@@ -140,27 +147,29 @@ class LiveSandbox:
         self._depth = len(self._history)
 
     async def execute(self, call: ToolCall) -> Any:
-        """Run `call` in the sandbox (which must exist). If the sandbox raises, it is in an unknown state: it is
-        dropped (the next call rebuilds one) and the exception reaches the caller."""
+        """Run `call` in the sandbox (which must exist)."""
         assert self._box is not None
-        try:
-            return await self._box.execute(call)
-        except BaseException:
-            await self.drop()
-            raise
+        return await self._box.execute(call)
 
     async def maybe_snapshot(self) -> None:
         """Snapshot the sandbox at the cursor when rebuilding this state later (restore the nearest snapshot, or
-        create, then replay) would cost more than saving it now and restoring it then."""
-        if self._box is None or self._snapshot_failures >= MAX_SNAPSHOT_FAILURES:
+        create, then replay) would cost more than saving it now and restoring it then.
+
+        Taking the snapshot and recording it (or deleting it) is one step that runs to its end even if the
+        caller is cancelled meanwhile: a snapshot the backend made is always either in the graph or deleted."""
+        box = self._box
+        if box is None or self._snapshot_failures >= MAX_SNAPSHOT_FAILURES:
             return
         depth, base = len(self._history), self._snapshot_depth
         rebuild = self._history.seconds(depth, base) + (self._costs.restore if base else self._costs.create)
-        if not should_snapshot(rebuild, self._costs):
-            return
+        if should_snapshot(rebuild, self._costs):
+            path = [self._history.root, *(s.node for s in self._history.steps)]
+            await self._ctx.tasks.settle(self._snapshot(box, path))
+
+    async def _snapshot(self, box: Sandbox, path: list[bytes]) -> None:
         t0 = time.perf_counter()
         try:
-            snapshot_id = await self._box.snapshot()
+            snapshot_id = await box.snapshot()
         except SandboxError as exc:
             # The backend's word that the sandbox is as it was (no room for a layer, say): keep it, save no more.
             self._snapshot_failures = MAX_SNAPSHOT_FAILURES
@@ -169,63 +178,85 @@ class LiveSandbox:
         except Exception as exc:
             self._snapshot_failures += 1
             log.warning("snapshot failed (%s); this sandbox is closed and rebuilt on the next call", exc)
-            await self.drop()  # a failure the backend did not expect may have left the sandbox half-saved
+            if self._box is box:
+                await self.drop()  # a failure the backend did not expect may have left the sandbox half-saved
             return
         self._snapshot_failures = 0
         self._costs.measured_snapshot.add(time.perf_counter() - t0)
-        stats = self._ctx.stats
+        stats, tasks = self._ctx.stats, self._ctx.tasks
         stats.snapshots += 1
-        path = [self._history.root, *(s.node for s in self._history.steps)]
         try:
             doomed = await self._ctx.store.add_snapshot(
                 self._scope_key, self._origin, path, snapshot_id, self._ctx.snapshot_budget
             )
         except StoreError as exc:
-            await quietly(self._sandboxes.delete(snapshot_id))  # the store never heard of it
-            self._ctx.store_failed(exc)
+            await tasks.cleanup(self._sandboxes.delete(snapshot_id))  # the store never heard of it
+            self._ctx.store_failed(exc, took_effect=True)
             return
-        if snapshot_id not in doomed:
-            self._snapshot_depth = depth
+        if snapshot_id not in doomed and self._box is box:
+            self._snapshot_depth = len(path) - 1
         for victim in doomed:
             stats.evictions += victim != snapshot_id
-            await self._ctx.warm.forget(self._origin, victim)
-            await quietly(self._sandboxes.delete(victim))
+            self._ctx.warm.forget(self._origin, victim)
+            await tasks.cleanup(self._sandboxes.delete(victim))
 
     async def drop(self) -> None:
         box, self._box = self._box, None
         if box is not None:
-            await quietly(box.close())
+            await self._ctx.tasks.cleanup(box.close())
 
     # -- routes ------------------------------------------------------------------------------------------
 
     async def _lease(self, first_depth: int, target: int) -> Lease | None:
         nodes = [step.node for step in self._history.steps[first_depth - 1 : target]]
+        store, scope_key = self._ctx.store, self._scope_key
+
+        async def unlease(lease: Lease | None) -> None:
+            if lease is not None:
+                await store.unlease(scope_key, lease.token)
+
         try:
-            return await self._ctx.store.lease(self._scope_key, self._origin, nodes, self._ctx.lease_ttl)
+            return await self._ctx.tasks.acquire(
+                store.lease(scope_key, self._origin, nodes, self._ctx.lease_ttl), unlease
+            )
         except StoreError as exc:
             self._ctx.store_failed(exc)
             return None
 
     async def _restore(self, lease: Lease) -> Sandbox | None:
-        stats = self._ctx.stats
-        box = self._ctx.warm.take(("fork", self._origin, lease.snapshot_id))
+        """A sandbox restored from the leased snapshot; None if the snapshot is gone (dropped from the graph, its
+        files deleted: ask for the next one); `_TakeAnotherRoute` if it is still there but cannot be restored
+        now. A restore that fails without the backend saying the snapshot is gone is tried once more; if that
+        fails too the snapshot is suspect, and dropped only once it failed `MAX_SUSPECT_FAILURES` times."""
+        ctx = self._ctx
+        box = ctx.warm.take(("fork", self._origin, lease.snapshot_id))
         if box is not None:
-            stats.warm += 1
+            ctx.stats.warm += 1
             return box
-        t0 = time.perf_counter()
-        try:
-            box = await self._sandboxes.restore(lease.snapshot_id)
-        except SandboxBusy:
-            raise  # still there: the caller takes another route without forgetting it
-        except Exception as exc:
-            # Gone (deleted by another process, lost with its host or in a restart): forget it, take another route.
-            log.warning("restore of snapshot %s failed (%s); falling back", lease.snapshot_id, exc)
-            drop = self._ctx.store.drop_snapshot(self._scope_key, self._origin, lease.node, lease.snapshot_id)
-            await quietly(drop)
-            return None
-        self._costs.measured_restore.add(time.perf_counter() - t0)
-        stats.restores += 1
-        return box
+        for attempt in (1, 2):
+            t0 = time.perf_counter()
+            try:
+                box = await ctx.tasks.acquire(self._sandboxes.restore(lease.snapshot_id), _close)
+            except SandboxBusy as exc:
+                raise _TakeAnotherRoute(str(exc)) from exc  # still there: come back to it later
+            except SnapshotGone as exc:
+                log.warning("snapshot %s is gone (%s); falling back", lease.snapshot_id, exc)
+                break
+            except Exception as exc:
+                log.warning("restore of snapshot %s failed (attempt %d: %s)", lease.snapshot_id, attempt, exc)
+                continue
+            ctx.suspects.pop(lease.snapshot_id, None)
+            self._costs.measured_restore.add(time.perf_counter() - t0)
+            ctx.stats.restores += 1
+            return box
+        else:
+            ctx.suspects[lease.snapshot_id] += 1
+            if ctx.suspects[lease.snapshot_id] < MAX_SUSPECT_FAILURES:
+                raise _TakeAnotherRoute("its restores failed; it is suspect")
+        ctx.suspects.pop(lease.snapshot_id, None)
+        await ctx.tasks.cleanup(ctx.store.drop_snapshot(self._scope_key, self._origin, lease.node, lease.snapshot_id))
+        await ctx.tasks.cleanup(self._sandboxes.delete(lease.snapshot_id))
+        return None
 
     async def _create(self) -> Sandbox:
         box = self._ctx.warm.take(("fresh", self._origin, self._scope_key))
@@ -233,26 +264,32 @@ class LiveSandbox:
             self._ctx.stats.warm += 1
             return box
         t0 = time.perf_counter()
-        box = await self._sandboxes.create()
+        box = await self._ctx.tasks.acquire(self._sandboxes.create(), _close)
         self._costs.measured_create.add(time.perf_counter() - t0)
         self._ctx.stats.creates += 1
         return box
 
     async def _replace(self, box: Sandbox, depth: int) -> None:
-        await self.drop()
-        self._box, self._depth = box, depth
+        old, self._box, self._depth = self._box, box, depth
+        if old is not None:
+            await self._ctx.tasks.cleanup(old.close())
 
     async def _replay_to(self, target: int) -> tuple[Sandbox, bool]:
         """Re-execute the edges between the sandbox and the cursor, checking each output against the recorded
         one. On a difference the rebuilt state may not be the one the rollout saw: stop there and say so (the
-        sandbox now *is* the rollout's state, as it would be without a cache)."""
+        sandbox now *is* the rollout's state, as it would be without a cache). A replay that raises leaves the
+        sandbox in an unknown state: it is dropped and the exception reaches the caller."""
         stats = self._ctx.stats
         box = self._box
         assert box is not None
         while self._depth < target:
             step = self._history.steps[self._depth]
             t0 = time.perf_counter()
-            outcome = await self.execute(step.call)
+            try:
+                outcome = await self.execute(step.call)
+            except BaseException:
+                await self.drop()
+                raise
             elapsed = time.perf_counter() - t0
             stats.replays += 1
             stats.seconds_replaying += elapsed
@@ -265,17 +302,17 @@ class LiveSandbox:
         return box, True
 
 
+class _TakeAnotherRoute(Exception):
+    """The leased snapshot exists but cannot be restored now: rebuild the state by another route."""
+
+
+async def _close(box: Sandbox) -> None:
+    await box.close()
+
+
 def _same_output(output: Any, recorded: bytes) -> bool:
     try:
         blob = encode_output(output)
         return blob == recorded or decode_output(blob) == decode_output(recorded)
     except (TypeError, ValueError):
         return False
-
-
-async def quietly(awaitable: Awaitable[Any]) -> None:
-    """Cleanup that must not mask the outcome it cleans up after (and runs even when cancelled)."""
-    try:
-        await asyncio.shield(awaitable)
-    except Exception as exc:
-        log.debug("cleanup step failed: %s", exc)

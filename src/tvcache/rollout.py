@@ -25,8 +25,8 @@ from typing import Any, Literal
 from .calls import ToolCall, Tools
 from .context import Context
 from .graph import EDGE, MEMO, Entry, Kind, Scope, decode_output, encode_output
-from .live import History, LiveSandbox, quietly
-from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
+from .live import History, LiveSandbox
+from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes, ToolError
 from .stores.base import Claim, StoreError, TaskInfo
 
 __all__ = ["Result", "Rollout", "RolloutStats", "Source", "current_rollout"]
@@ -36,6 +36,8 @@ log = logging.getLogger("tvcache")
 Source = Literal["memo", "edge", "waited", "executed"]
 
 _current: ContextVar[Rollout | None] = ContextVar("tvcache_rollout", default=None)
+# The rollouts whose `sandbox()` block this code runs in (also in tasks started inside the block).
+_in_sandbox_block: ContextVar[tuple[Rollout, ...]] = ContextVar("tvcache_in_sandbox_block", default=())
 
 
 def current_rollout() -> Rollout | None:
@@ -87,7 +89,7 @@ class _Claim:
     async def release(self) -> None:
         if not self.ended:
             self.ended = True
-            await quietly(self.ctx.store.release(self.scope_key, self.node, self.digest, self.token))
+            await self.ctx.tasks.cleanup(self.ctx.store.release(self.scope_key, self.node, self.digest, self.token))
 
     async def _refresh(self) -> None:
         ttl = self.ctx.claim_ttl
@@ -98,7 +100,7 @@ class _Claim:
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[_Claim]:
-        refresher = asyncio.create_task(self._refresh())
+        refresher = self.ctx.tasks.spawn(self._refresh(), background=True)
         try:
             yield self
         finally:
@@ -107,12 +109,18 @@ class _Claim:
 
 
 class Rollout:
-    """One trajectory of a task: its tool calls, answered from the cache or executed in a sandbox at its state.
+    """One rollout of a task: a walk through the task's tool-call graph, one call at a time.
 
-    Made by `ToolCache.rollout(task, sandboxes, tools)` (a block) or `ToolCache.open(...)` (a rollout that spans
-    a framework's setup and cleanup). It holds a cursor, the node of the task's graph its calls have reached, and,
-    only once a call misses, a live sandbox at that state. Its calls run one at a time in the order they were
-    issued. `stats` has its own counts; a closed rollout refuses calls.
+    Made by `ToolCache.rollout()` (a block) or `ToolCache.open()` (closed by hand). `call()` answers each tool
+    call from the cache when the rollout's history of state-changing calls matches one recorded, and executes
+    it otherwise; `grade()` grades the final state the same way; `sandbox()` lends a live sandbox at the
+    rollout's state for work the cache does not see. Calls run in the order issued; `stats` counts this
+    rollout's own calls and hits.
+
+    A rollout is *detached* (`detached`) once its state can no longer be reproduced from the graph (a failed
+    or uncacheable call changed it, a replay differed): from then on its calls run in its own sandbox, uncached,
+    exactly as without a cache. After `close()` (or the end of its block, or the cache's close) calls raise
+    `RuntimeError`.
     """
 
     def __init__(self, ctx: Context, scope: Scope, sandboxes: Sandboxes, tools: Tools | None):
@@ -128,17 +136,21 @@ class Rollout:
         self._registered = False
         self._closed = False
         self.stats = RolloutStats()
+        ctx.rollouts.add(self)
 
     @property
     def cursor(self) -> bytes:
-        """The id of the graph node (sandbox state) the rollout's calls have reached."""
+        """The node of the rollout's current state in the graph."""
         return self._history.cursor
 
     @property
     def detached(self) -> bool:
-        """True once the rollout left the graph (a failed or uncacheable call that may have changed the state, a
-        replay that differed): it then executes every call directly in its own sandbox and records nothing."""
+        """True once the rollout's state is its sandbox's own, not the graph's: its calls run uncached."""
         return self._detached
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -148,12 +160,17 @@ class Rollout:
     # -- the per-call algorithm ------------------------------------------------------------------------
 
     async def call(self, tool: str, args: Mapping[str, Any] | str | None = None) -> Result:
-        """Call `tool` with `args` (a mapping, or a JSON string as chat models emit it) at the rollout's state."""
+        """Call `tool` with `args` (a mapping, or a JSON string as chat models emit it) at the rollout's state.
+
+        A tool that fails returns a result with `error=True`; `ToolError` means the call was refused before it
+        ran (nothing changed); `SandboxError` that the sandbox machinery failed (the next call rebuilds the
+        state in a new sandbox); `StoreError` (with `on_store_error="raise"`) that the store failed before the
+        call ran. A call that ran is never reported as not having run."""
         start = time.perf_counter()
+        self._check_usable("call()")
         call = self._tools.call(tool, args)
         async with self._lock:
-            if self._closed:
-                raise RuntimeError(f"this rollout of {self._scope.task!r} is closed; start a new one")
+            self._check_usable("call()")
             self._ctx.stats.calls += 1
             self.stats.calls += 1
             if self._detached:
@@ -192,26 +209,51 @@ class Rollout:
         the block ends the sandbox is closed, so the rollout's next call rebuilds its state from the graph. (A
         detached rollout records nothing and cannot rebuild: its sandbox is its state, so it is handed over as it
         is and kept, with whatever the block did to it.)"""
+        self._check_usable("sandbox()")
         async with self._lock:
-            if self._closed:
-                raise RuntimeError(f"this rollout of {self._scope.task!r} is closed; start a new one")
+            self._check_usable("sandbox()")
             box = await self._sandbox_at_cursor(use_store=True)
+            inside = _in_sandbox_block.set((*_in_sandbox_block.get(), self))
             try:
                 yield box
             finally:
+                _in_sandbox_block.reset(inside)
                 if not self._detached:
                     await self._live.drop()
+
+    def _check_usable(self, what: str) -> None:
+        """Raise at once for what could only fail or hang: a closed rollout or cache, or a call from inside this
+        rollout's own `sandbox()` block (it would wait for the block to end, and the block for it)."""
+        if self._closed:
+            raise RuntimeError(f"this rollout of {self._scope.task!r} is closed; start a new one")
+        self._ctx.check_open()
+        if self in _in_sandbox_block.get():
+            raise RuntimeError(
+                f"rollout.{what} inside `async with rollout.sandbox()` of the same rollout would wait forever for "
+                "the block to end: make the call after the block, or use the sandbox the block gave you directly"
+            )
 
     async def _lookup(self, call: ToolCall) -> tuple[Entry, Source] | str:
         """The entry at the cursor and how it was found, or a claim token of ours to execute the call under."""
         store, scope_key, node, ttl = self._ctx.store, self._scope_key, self.cursor, self._ctx.claim_ttl
-        found = await store.lookup(scope_key, node, call.digest, ttl)
+
+        async def release(found: Entry | Claim | None) -> None:  # a claim won by a lookup whose caller is gone
+            if isinstance(found, Claim) and found.token is not None:
+                await store.release(scope_key, node, call.digest, found.token)
+
+        async def claiming_lookup() -> Entry | Claim | None:
+            lookup = store.lookup(scope_key, node, call.digest, ttl)
+            if self._ctx.claims_in_process:  # taken after the lookup's last await: never parted from its caller
+                return await lookup
+            return await self._ctx.tasks.acquire(lookup, release)  # a task: dear next to a hit, not to a round trip
+
+        found = await claiming_lookup()
         while isinstance(found, Claim) and found.token is None:
             self._ctx.stats.waits += 1  # another rollout is executing this very call: wait for its entry
             entry = await store.wait(scope_key, node, call.digest, ttl)
             if entry is not None:
                 return entry, "waited"
-            found = await store.lookup(scope_key, node, call.digest, ttl)  # its claim ended without an entry
+            found = await claiming_lookup()  # its claim ended without an entry
         if found is None:
             raise StoreError("the store neither found nor claimed a call it was asked to claim")
         self._ctx.health.answered()
@@ -269,7 +311,7 @@ class Rollout:
                 self._registered = True
             await claim.record(entry)
         except StoreError as exc:
-            self._ctx.store_failed(exc)
+            self._ctx.store_failed(exc, took_effect=True)  # the call ran: its caller gets its result
 
     async def _execute_direct(self, call: ToolCall, start: float) -> Result:
         """Execute without recording: the rollout is detached, or the store failed."""
@@ -326,7 +368,9 @@ class Rollout:
 
         A sandbox that raises, or answers with something that is not an Outcome of a str, bytes or JSON output,
         is in an unknown state: it is dropped (the next call rebuilds one at the cursor) and the error reaches
-        the caller."""
+        the caller. Two exceptions keep the sandbox: a `ToolError` (the call was refused before it ran), and
+        any error in a detached rollout, whose sandbox is its state and cannot be rebuilt: without a cache, a
+        framework would go on in that sandbox too."""
         stats = self._ctx.stats
         stats.executions += 1
         self.stats.executions += 1
@@ -337,15 +381,19 @@ class Rollout:
             if not isinstance(outcome, Outcome):
                 raise SandboxError(f"Sandbox.execute must return an Outcome, got {type(outcome).__name__}")
             blob = encode_output(outcome.output)
-        except BaseException:
+        except BaseException as exc:
             stats.failures += 1
-            await self._live.drop()
+            if not self._detached and not isinstance(exc, ToolError):
+                await self._live.drop()
             raise
         stats.seconds_executing += seconds
         return outcome, blob, seconds
 
     async def close(self) -> None:
-        """Close the rollout's sandbox; later calls raise. Waits for a call in progress to finish."""
+        """Close the rollout's sandbox; later calls raise. Waits for a call in progress to finish. Idempotent."""
+        if self in _in_sandbox_block.get():
+            raise RuntimeError("rollout.close() inside `async with rollout.sandbox()` would wait forever for the block")
         async with self._lock:
             self._closed = True
             await self._live.drop()
+        self._ctx.rollouts.discard(self)

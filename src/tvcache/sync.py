@@ -12,12 +12,13 @@ Use it from any number of threads: calls of one rollout must still be issued in 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
-from collections.abc import Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from .cache import ToolCache
+from .cache import State, ToolCache
 from .calls import Tools
 from .rollout import Result, Rollout, RolloutStats, _current
 from .sandboxes.base import Sandboxes
@@ -25,6 +26,20 @@ from .sandboxes.base import Sandboxes
 __all__ = ["SyncRollout", "SyncToolCache"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
+S = TypeVar("S")
+
+
+def _takes_the_arguments_of(
+    target: Callable[P, Any],
+) -> Callable[[Callable[Concatenate[S, ...], None]], Callable[Concatenate[S, P], None]]:
+    """Give the decorated `__init__` the signature of `target`, for type checkers and `help()` alike."""
+
+    def give(init: Callable[Concatenate[S, ...], None]) -> Callable[Concatenate[S, P], None]:
+        init.__signature__ = inspect.signature(target.__init__)  # type: ignore[attr-defined]
+        return init
+
+    return give
 
 
 class SyncRollout:
@@ -64,9 +79,11 @@ class SyncRollout:
 
 
 class SyncToolCache:
-    """`ToolCache` with blocking methods; takes the same arguments."""
+    """`ToolCache` with blocking methods; takes the same arguments, and has the same life (`state`): use after
+    `close()` raises `RuntimeError`, closing twice does nothing, `with` enters it once."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    @_takes_the_arguments_of(ToolCache)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tvcache-loop", daemon=True)
         self._thread.start()
@@ -74,9 +91,20 @@ class SyncToolCache:
         async def make() -> ToolCache:
             return ToolCache(*args, **kwargs)
 
-        self.cache = self._run(make())
+        try:
+            self.cache = self._run(make())
+        except BaseException:
+            self._stop()
+            raise
+
+    @property
+    def state(self) -> State:
+        return self.cache.state
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("this SyncToolCache is closed; make a new one")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def open(self, task: str, sandboxes: Sandboxes, tools: Tools | None = None) -> SyncRollout:
@@ -105,17 +133,21 @@ class SyncToolCache:
         return self.cache.stats()
 
     def close(self) -> None:
-        """Close the cache and stop its background loop. Idempotent."""
+        """Close the cache and stop its thread. Idempotent."""
         if self._loop.is_closed():
             return
         try:
             self._run(self.cache.close())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._stop()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
     def __enter__(self) -> SyncToolCache:
+        self._run(self.cache.__aenter__())
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -10,12 +10,11 @@ factory that was garbage-collected can never hand its warm sandboxes to a new on
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections import OrderedDict
 from typing import Literal
 
 from .sandboxes.base import Sandbox
+from .tasks import TaskGroup
 
 __all__ = ["WarmPool"]
 
@@ -24,8 +23,9 @@ _Key = tuple[Literal["fresh", "fork"], str, str]
 
 
 class WarmPool:
-    def __init__(self, limit: int = 64) -> None:
+    def __init__(self, tasks: TaskGroup, limit: int = 64) -> None:
         self.limit = limit
+        self._tasks = tasks  # closes the sandboxes the pool lets go, in the cache's task group
         # id(box) -> (key, box), oldest first; by id because the protocol does not promise hashable sandboxes
         self._boxes: OrderedDict[int, tuple[_Key, Sandbox]] = OrderedDict()
 
@@ -39,23 +39,27 @@ class WarmPool:
                 return box
         return None
 
-    async def put(self, key: _Key, box: Sandbox) -> None:
+    def put(self, key: _Key, box: Sandbox) -> None:
+        """File `box` (the pool owns it from now on), closing the oldest beyond the limit."""
         self._boxes[id(box)] = (key, box)
         while len(self._boxes) > self.limit:
             _, (_, oldest) = self._boxes.popitem(last=False)
-            with contextlib.suppress(Exception):
-                await oldest.close()
+            self._close(oldest)
 
-    async def forget(self, origin: str, snapshot_id: str) -> None:
+    def forget(self, origin: str, snapshot_id: str) -> None:
         """Close the forks of a snapshot that was evicted: nobody will ask for them again."""
         while (box := self.take(("fork", origin, snapshot_id))) is not None:
-            with contextlib.suppress(Exception):
-                await box.close()
+            self._close(box)
 
     def __len__(self) -> int:
         return len(self._boxes)
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Close every sandbox in the pool (in the cache's task group: `TaskGroup.join` waits for them)."""
         boxes = [box for _, box in self._boxes.values()]
         self._boxes.clear()
-        await asyncio.gather(*(b.close() for b in boxes), return_exceptions=True)
+        for box in boxes:
+            self._close(box)
+
+    def _close(self, box: Sandbox) -> None:
+        self._tasks.cleanup_soon(box.close())

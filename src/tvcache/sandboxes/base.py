@@ -11,8 +11,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from ..calls import ToolCall
+from ..errors import SandboxBusy, SandboxError, SnapshotGone, ToolError
 
-__all__ = ["Outcome", "Output", "Sandbox", "SandboxBusy", "SandboxError", "Sandboxes", "refusal"]
+__all__ = [
+    "Outcome",
+    "Output",
+    "Sandbox",
+    "SandboxBusy",
+    "SandboxError",
+    "Sandboxes",
+    "SnapshotGone",
+    "ToolError",
+    "refusal",
+]
 
 #: A tool's output: text, bytes, or a JSON value (dicts, lists, numbers, ...).
 Output = str | bytes | int | float | bool | None | list[Any] | dict[str, Any]
@@ -38,15 +49,6 @@ def refusal(why: str) -> Outcome:
     NUL byte where the system takes none): `Error: <why>`, marked failed so it is not cached, and unchanged, so
     the rollout and its sandbox carry on. A model's bad call is an answer it can learn from, not a crash."""
     return Outcome(f"Error: {why}", changed=False, error=True)
-
-
-class SandboxError(RuntimeError):
-    """A sandbox backend failed (not the tool: the machinery around it)."""
-
-
-class SandboxBusy(SandboxError):
-    """The backend cannot do it now (at capacity, overloaded), but nothing is lost: the snapshot asked for still
-    exists. The cache then takes another route without forgetting the snapshot, as it does for other failures."""
 
 
 @runtime_checkable
@@ -82,7 +84,8 @@ class Sandboxes(Protocol):
         ...
 
     async def restore(self, snapshot_id: str) -> Sandbox:
-        """A new sandbox in the snapshot's state; raises if the snapshot no longer exists."""
+        """A new sandbox in the snapshot's state; raises `SnapshotGone` if the snapshot no longer exists (any
+        other exception is taken as a failure that may pass, and the snapshot is kept for a while)."""
         ...
 
     async def delete(self, snapshot_id: str) -> None:

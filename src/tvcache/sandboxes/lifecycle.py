@@ -60,7 +60,7 @@ from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
-from .base import SandboxError
+from .base import SandboxError, SnapshotGone
 
 __all__ = ["ManagedSandbox", "ManagedSandboxes"]
 
@@ -149,7 +149,7 @@ class ManagedSandboxes(Generic[BoxT, RecordT]):
         try:
             return self._snapshots[snapshot_id]
         except KeyError:
-            raise SandboxError(f"snapshot {snapshot_id!r} does not exist (deleted, or never made here)") from None
+            raise SnapshotGone(f"snapshot {snapshot_id!r} does not exist (deleted, or never made here)") from None
 
     def _forget(self, snapshot_id: str) -> RecordT | None:
         return self._snapshots.pop(snapshot_id, None)

@@ -46,7 +46,7 @@ import msgspec
 from ..calls import ToolCall
 from ..extras import require
 from ..graph import decode_output
-from .base import Outcome, SandboxBusy, SandboxError
+from .base import Outcome, SandboxBusy, SandboxError, SnapshotGone, ToolError
 from .remote_wire import (
     CreateRequest,
     ErrorReply,
@@ -165,6 +165,7 @@ class RemoteSandboxes:
         self._closer: AsyncGenerator[None, None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._last_probe = time.monotonic()
+        self._closed = False
 
     def __repr__(self) -> str:
         return f"RemoteSandboxes({self.urls!r})"
@@ -177,6 +178,7 @@ class RemoteSandboxes:
 
     async def create(self) -> RemoteSandbox:
         """A sandbox on the least-loaded server that will make one."""
+        self._check_open()
         failures = []
         now = time.monotonic()
         # Least loaded first, servers that failed lately last; ties at random, so workers do not all pick one.
@@ -197,7 +199,8 @@ class RemoteSandboxes:
         raise SandboxError("no sandbox server could make a sandbox: " + "; ".join(failures))
 
     async def restore(self, snapshot_id: str) -> RemoteSandbox:
-        """A sandbox in the snapshot's state, on the server holding it; SandboxError if it is gone."""
+        """A sandbox in the snapshot's state, on the server holding it; `SnapshotGone` if it is gone."""
+        self._check_open()
         server = await self._holder(snapshot_id)
         if server.down_until > time.monotonic():
             raise SandboxError(f"snapshot {snapshot_id} is on {server.url}, which did not answer lately")
@@ -217,8 +220,14 @@ class RemoteSandboxes:
             return  # its server is gone, and the snapshot with it
         await self._call(server, "delete", SnapshotRequest(snapshot_id), None)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {self!r} is closed; make a new one")
+
     async def close(self) -> None:
-        """Close the sandboxes this object still holds, stop renewing leases, close the connections."""
+        """Close the sandboxes this object still holds, stop renewing leases, close the connections. Idempotent;
+        afterwards `create` and `restore` raise `RuntimeError`."""
+        self._closed = True
         for server in self._servers:
             for sandbox in list(server.held):
                 await RemoteSandbox(self, server, sandbox).close()
@@ -285,7 +294,7 @@ class RemoteSandboxes:
                     continue
             server = self._by_id.get(server_of(snapshot_id))
         if server is None:
-            raise SandboxError(f"snapshot {snapshot_id} was made by a sandbox server process that is gone")
+            raise SnapshotGone(f"snapshot {snapshot_id} was made by a sandbox server process that is gone")
         return server
 
     def _hold(self, server: _Server, sandbox: str) -> RemoteSandbox:
@@ -354,9 +363,12 @@ class RemoteSandboxes:
                 message = _errors.decode(data).error
             except msgspec.DecodeError:
                 message = data[:200].decode(errors="replace")
-            raise _Refused(
-                response.status, f"sandbox server {server.url} answered {name} with {response.status}: {message}"
-            )
+            message = f"sandbox server {server.url} answered {name} with {response.status}: {message}"
+            if name == "execute" and response.status in (400, 422):
+                raise ToolError(message)  # the call was refused before it ran, as a local sandbox refuses it
+            if name == "restore" and response.status == 404:
+                raise SnapshotGone(message)
+            raise _Refused(response.status, message)
         try:
             return _decoder(reply).decode(data)
         except msgspec.DecodeError as exc:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import msgspec
 
+from ..errors import StoreError
 from ..graph import EDGE, Entry, Kind, child_id
 
 __all__ = [
@@ -25,12 +26,6 @@ __all__ = [
     "TaskInfo",
     "export_entries",
 ]
-
-
-class StoreError(RuntimeError):
-    """The store could not do what was asked: unreachable, timed out, refused (a wrong token, a locked
-    database), or holding data that does not decode. Every failure of a store surfaces as this; any other
-    exception from a store method is a bug."""
 
 
 class Claim(msgspec.Struct, frozen=True):
