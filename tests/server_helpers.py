@@ -239,24 +239,62 @@ def assert_slow_clients_are_cut_off(server: Server, path: str) -> None:
     assert request(server, "GET", "/healthz", auth=False)[0] == 200
 
 
-async def slowloris(server: Server, connections: int, seconds: float, requests: int) -> tuple[int, int]:
-    """Attack `server` from loopback for `seconds` with `connections` unauthenticated clients that each send a
-    request head a header line a second and, when the server hangs up, connect again; meanwhile send `requests`
-    legitimate GET /healthz, evenly spaced over the attack's last three quarters (after the attackers have
-    connected), each with 5 s to be answered. Returns (answered with a 200, sent). Stops by itself: the attack
-    ends after `seconds` and holds at most `connections` sockets at a time."""
-    host, port = server.host, server.port
+def slowloris(server: Server, connections: int, seconds: float, requests: int, slow: str = "head") -> tuple[int, int]:
+    """Attack `server` from loopback for `seconds` with `connections` unauthenticated clients (in another
+    process, `_slowloris`; `slow`: what they trickle, "head" or "body") and meanwhile send `requests`
+    legitimate GET /healthz from this one, evenly spaced over the attack's last three quarters (once the
+    attackers have connected), each with 5 s to be answered. Returns (answered with a 200, sent). Stops by
+    itself: the attacker process ends after `seconds` and holds at most `connections` sockets at a time."""
+    start = time.monotonic()
+    attack = spawn_client("slowloris", server.url, str(connections), str(seconds), slow)
+    try:
+        ramp = seconds / 4
+        time.sleep(ramp)
+        answers = []
+        for i in range(requests):
+            answers.append(_healthy_within(server, 5.0))
+            time.sleep(max(0.0, ramp + (i + 1) * (seconds - ramp) / requests - (time.monotonic() - start)))
+        finish_client(attack, timeout=seconds + 30)
+    finally:
+        if attack.poll() is None:
+            attack.kill()
+            attack.wait()
+    return sum(answers), requests
+
+
+def _healthy_within(server: Server, timeout: float) -> bool:
+    """One legitimate request, as a client sends it: the whole request at once on a new connection."""
+    try:
+        with socket.create_connection((server.host, server.port), timeout=timeout) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            return answer.startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+
+
+async def _slowloris(url: str, connections: int, seconds: float, slow: str) -> None:
+    """`connections` clients that each send a request head a header line a second (`slow` "head"), or a whole
+    head and then a body a byte a second ("body"), and when the server hangs up connect again, for `seconds`."""
+    first, then = b"GET /healthz HTTP/1.1\r\nHost: x\r\n", b"X-Slow: x\r\n"
+    if slow == "body":
+        first = b"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        first += b"Content-Length: 9999\r\n\r\n{"
+        then = b" "
+    host, port = url.removeprefix("http://").rsplit(":", 1)
     stop = asyncio.get_running_loop().time() + seconds
 
-    async def attacker(i: int) -> None:
+    async def attacker() -> None:
         while asyncio.get_running_loop().time() < stop:
             writer = None
             try:
-                reader, writer = await asyncio.open_connection(host, port)
-                writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(first)
                 while asyncio.get_running_loop().time() < stop and not reader.at_eof():
                     await asyncio.sleep(1.0)
-                    writer.write(b"X-Slow-%d: x\r\n" % i)
+                    writer.write(then)
                     await writer.drain()
             except OSError:
                 await asyncio.sleep(0.05)  # refused or reset: connect again, not in a hot loop
@@ -264,24 +302,7 @@ async def slowloris(server: Server, connections: int, seconds: float, requests: 
                 if writer is not None:
                     writer.close()
 
-    async def legitimate(delay: float) -> bool:
-        await asyncio.sleep(delay)
-        try:
-            async with asyncio.timeout(5):
-                reader, writer = await asyncio.open_connection(host, port)
-                try:
-                    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                    return (await reader.read()).startswith(b"HTTP/1.1 200")
-                finally:
-                    writer.close()
-        except (OSError, TimeoutError):
-            return False
-
-    attack = [asyncio.create_task(attacker(i)) for i in range(connections)]
-    ramp = seconds / 4
-    answers = await asyncio.gather(*(legitimate(ramp + i * (seconds - ramp) / requests) for i in range(requests)))
-    await asyncio.gather(*attack)
-    return sum(answers), requests
+    await asyncio.gather(*(attacker() for _ in range(connections)))
 
 
 def assert_schemathesis_finds_nothing(server: Server, workdir: Path) -> None:
@@ -427,6 +448,8 @@ def client_main(argv: list[str]) -> int:
         result = asyncio.run(_slow(url, float(rest[0])))
     elif mode == "writer":
         asyncio.run(_writer(url, int(rest[0])))
+    elif mode == "slowloris":
+        asyncio.run(_slowloris(url, int(rest[0]), float(rest[1]), rest[2]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print(json.dumps(result))

@@ -13,6 +13,7 @@ import logging
 import logging.config
 import os
 import resource
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -175,14 +176,15 @@ def _protocol(read_timeout: float, cap: int) -> type[asyncio.Protocol]:
     by the app, `JSONApi`, and the connection closed after that answer).
 
     Deadlines alone do not stop a slowloris: a thousand trickling clients hold a thousand connections for
-    `read_timeout` each, and reconnect. So the server holds at most `cap` connections, and a connection over
-    the cap closes the one that has waited longest for its first request to arrive (else, if every connection
-    has been served before, the one idle longest between requests). A legitimate client sends its request at
-    once and is then being served, not waiting, so it is never the one closed; an attacker's connections are
-    the oldest waiting ones, and clients' pooled connections go only after them. Only when every connection is
-    busy serving a request is the new one refused (503).
-    (uvicorn's own `limit_concurrency` answers 503 to every request over the limit instead, so a slowloris
-    holding the connections would refuse everyone else.)"""
+    `read_timeout` each, and reconnect. So the server holds at most `cap` connections: a connection over the cap
+    closes one that waits for a request, the one that has waited longest for its first request (else the one
+    idle longest between requests, a client's pooled connection), and is refused (503) if none waits. A
+    legitimate client sends its whole request head at once: one whose head is already in the socket buffer
+    when it is accepted, or that was accepted in the same turn of the event loop (which accepts its whole
+    backlog before it reads any of them), is not closed before it is read, and once read it is being served,
+    not waiting. (uvicorn's own `limit_concurrency`
+    answers 503 to every request over the limit instead, so a slowloris holding the connections would refuse
+    everyone else.)"""
     # Connections waiting for a request, longest waiting first: those never served yet, then idle ones.
     fresh: dict[Protocol, None] = {}
     idle: dict[Protocol, None] = {}
@@ -190,9 +192,17 @@ def _protocol(read_timeout: float, cap: int) -> type[asyncio.Protocol]:
 
     class Protocol(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
+        _ready = False  # its request head was in the socket buffer when it was accepted (and is not read yet)
+        _accepted = 0.0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            # Asked of every connection: one accepted under the cap can be the oldest waiting one a moment later,
+            # when the rest of the backlog is accepted.
+            self._ready = _has_head(transport)
+            # uvloop's clock is read once per turn of the loop: the connections accepted in this turn (the
+            # backlog, at once) share it, and none of them has been read yet.
+            self._accepted = self.loop.time()
             if len(self.connections) > cap and not self._make_room():
                 shed.refused()
                 transport.write(_AT_CAPACITY)
@@ -202,13 +212,18 @@ def _protocol(read_timeout: float, cap: int) -> type[asyncio.Protocol]:
             self._arm(self._head_too_slow)
 
         def _make_room(self) -> bool:
-            for waiting in (fresh, idle):
-                for other in waiting:  # the longest waiting first
-                    del waiting[other]
-                    shed.closed()
-                    other.transport.close()
-                    return True
-            return False
+            """Close the connection that has waited longest, never one not read yet."""
+            now = self.loop.time()
+            other = next((c for c in fresh if not c._ready and c._accepted != now), None) or next(iter(idle), None)
+            if other is None:
+                return False
+            if fresh.pop(other, 0) is None:  # it may have sent part of a request: answer that
+                other.transport.write(_AT_CAPACITY)
+            else:
+                del idle[other]
+            shed.closed()
+            other.transport.close()
+            return True
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -216,6 +231,7 @@ def _protocol(read_timeout: float, cap: int) -> type[asyncio.Protocol]:
                 self._arm(self._head_too_slow)
 
         def on_headers_complete(self) -> None:
+            self._ready = False  # read: from now on it waits for its body like any other
             super().on_headers_complete()
             self._arm(self._body_too_slow)
 
@@ -270,8 +286,8 @@ _AT_CAPACITY = (
 
 
 class Shed:
-    """Counts connections closed or refused to stay under the cap, logging a summary at most every 10 s
-    (under attack there are thousands a second)."""
+    """Counts connections closed or refused to stay under the cap, logging the counts at most every 10 s (under
+    attack there are thousands a second)."""
 
     def __init__(self) -> None:
         self.counts = {"closed": 0, "refused": 0}
@@ -289,6 +305,17 @@ class Shed:
         if now - self._logged >= 10:
             self._logged = now
             log.warning("at the connection limit: closing the connections that wait longest", extra=dict(self.counts))
+
+
+def _has_head(transport: asyncio.BaseTransport) -> bool:
+    """Is a whole request head in the connection's socket buffer, not read yet? (Peeked through a duplicate
+    of its descriptor: the event loop's socket object cannot peek.)"""
+    sock = transport.get_extra_info("socket")
+    try:
+        with socket.fromfd(sock.fileno(), sock.family, sock.type) as peek:
+            return b"\r\n\r\n" in peek.recv(8192, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (OSError, AttributeError):
+        return False
 
 
 def redact(url: str) -> str:
