@@ -11,9 +11,9 @@ new `/` (recursively, and every mount `nosuid,nodev`: a device node in a layer c
 host's /dev/null, zero, full, random, urandom and tty over the root's, mounts a fresh procfs, pivots into the
 root (the host's tree is unmounted from the namespace, so no chroot trick leads back
 out), drops capabilities, loads the seccomp filter and starts bash as PID 1 of its namespace: when bash exits
-the kernel kills everything it left, and killing bubblewrap (a timeout) takes the namespace down with it
-(`--die-with-parent`). `--new-session` detaches the command from any terminal (no TIOCSTI keystrokes into the
-host's).
+the kernel kills everything it left. A timeout kills that PID 1 directly (see _shell.end_namespace):
+`--die-with-parent` alone would leave a PID 1 that cleared its parent-death signal running. `--new-session`
+detaches the command from any terminal (no TIOCSTI keystrokes into the host's).
 
 /proc, as in Docker: `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq`, `/proc/bus` and `/proc/fs` read-only
 (`/proc/sys/kernel/core_pattern` would otherwise make the host's kernel run any program as root; `/proc/fs`

@@ -7,8 +7,9 @@ command, so it also survives snapshots and forks. The process chain is
 
     [nsenter [--user --mount] [--net=NETNS]] bwrap ... -- bash --noprofile --norc -c PRELUDE+COMMAND
 
-- bash is PID 1 of a new PID namespace: when it exits, the kernel kills everything it left running, and a
-  timeout kills bubblewrap, which takes the namespace down with it.
+- bash is PID 1 of a new PID namespace: when it exits, the kernel kills everything it left running. A
+  timeout kills that PID 1 itself (and bubblewrap, and the sandbox's cgroup), so the namespace goes down
+  whatever the command did with signals or its parent-death signal.
 - NETNS is the sandbox's private network namespace (loopback only, already up), made once per sandbox; as
   root the jail is spawned straight into it and into the sandbox's mount namespace by a thread that joined
   both (see _mounts), in userns mode through nsenter.
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import signal
 import subprocess
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -51,6 +53,8 @@ __all__ = [
 STATE_FD = 253
 #: Where the sandbox's cgroup.procs files are passed (252, 251, ...), for bash to join before the command runs.
 CGROUP_FD = 252
+#: Seconds a timed-out command's processes get to die and close their pipes after they are killed.
+_GRACE = 5.0
 #: What the prelude writes to the state pipe once the shell runs inside its cgroups.
 _STARTED = b"S"
 
@@ -208,6 +212,34 @@ class _Reader:
             self.done.set_result(None)
 
 
+def end_namespace(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the jail `proc` and the PID 1 of its PID namespace, which takes everything in the namespace with it.
+
+    Killing the jail alone is not enough: its child, the namespace's PID 1, dies with it only through its
+    parent-death signal, which the command may clear (`prctl(PR_SET_PDEATHSIG, 0)`). The jail is stopped
+    first so that it cannot reap its child while the child is looked up: the pid found is the child's, not a
+    reused one, and the pidfd pins it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children = [int(pid) for pid in f.read().split()]
+        except OSError:
+            children = []
+        for child in children:
+            try:
+                pidfd = os.pidfd_open(child)
+            except OSError:
+                continue
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(pidfd)
+        proc.kill()
+
+
 def _wait_exit(loop: asyncio.AbstractEventLoop, proc: subprocess.Popen[bytes]) -> asyncio.Future[int]:
     """A future for the process's exit status, woken by its pidfd."""
     done: asyncio.Future[int] = loop.create_future()
@@ -234,6 +266,7 @@ async def run_bash(
     cgroups: Sequence[str] = (),
     pass_fds: Sequence[int] = (),
     spawn: Callable[..., Awaitable[subprocess.Popen[bytes]]] | None = None,
+    kill: Callable[[], None] | None = None,
 ) -> CommandResult:
     """Run `command` as described in the module docstring and return its output, exit code and new state.
 
@@ -241,7 +274,8 @@ async def run_bash(
     environment; it reaches bash only when `state.exports` is None (the first command of a factory).
     `cgroups` are the cgroup.procs files the shell joins; `pass_fds` are descriptors the jail needs (the
     seccomp program), which this function closes; `spawn(argv, **popen_kwargs)` starts the process (in the
-    sandbox's namespaces), by default a plain Popen.
+    sandbox's namespaces), by default a plain Popen. On a timeout the command's PID namespace is torn down (see
+    `end_namespace`) and `kill()` (the sandbox's cgroup kill) ends whatever else the command started.
     """
     loop = asyncio.get_running_loop()
     script = command.encode(errors="surrogateescape")
@@ -285,12 +319,16 @@ async def run_bash(
             await asyncio.wait_for(asyncio.shield(everything), timeout)
         except TimeoutError:
             timed_out = True
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()  # --kill-child: the PID namespace dies with unshare
-            await asyncio.wait_for(everything, 30)
+            end_namespace(proc)
+            if kill is not None:
+                kill()
+            try:
+                await asyncio.wait_for(asyncio.shield(everything), _GRACE)
+            except TimeoutError:  # something still holds the pipes open: stop reading, the answer is "timed out"
+                for reader in readers:
+                    reader.close()
     except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
+        end_namespace(proc)
         proc.wait()
         for reader in readers:
             reader.close()
