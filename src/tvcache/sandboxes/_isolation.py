@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ._fdtree import OPEN_DIR, Walk, remove_tree
 from ._layers import LayerStore, copy_layer, is_empty, listing, merge_layers, relisted
 from ._layout import DEVICES, Layout, build_layout
 from ._mounts import HelperMounter, Mounter, MountSpace, PrivateMounter
@@ -235,7 +236,7 @@ class LayeredRoot(SandboxRoot):
         super().__init__(isolation, box)
         self.stack: tuple[str, ...] = ()
         self._gen = 0
-        self._listings: list[list[Any] | None] = [None] * len(isolation.layout.overlays)
+        self._listings: list[str | None] = [None] * len(isolation.layout.overlays)
 
     def _scratch_mount(self) -> str:
         return str(self.box / f"g{self._gen}")
@@ -395,7 +396,7 @@ class CopiedRoot(SandboxRoot):
     def __init__(self, isolation: Isolation, box: Path):
         super().__init__(isolation, box)
         self._data = str(box / "data")
-        self._listing: list[Any] | None = None
+        self._listing: str | None = None
 
     def _mounts(self) -> list[str]:
         return [self.path, self._data]
@@ -441,7 +442,7 @@ class CopiedRoot(SandboxRoot):
 
 def _remove_all(paths: Sequence[Path]) -> None:
     for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
 
 
 def _flatten(layers_top_first: list[str], dest: str, opaque_xattr: str) -> None:
@@ -459,15 +460,26 @@ def _du(root: str) -> int:
         raise SandboxError(f"cannot measure {root}: {found.stderr.strip()}") from None
 
 
+class _Usage(Walk):
+    size = files = 0
+
+    def on_dir(self, fds: list[int], name: str, st: os.stat_result) -> None:
+        self.files += 1
+
+    def on_other(self, fds: list[int], name: str, st: os.stat_result) -> None:
+        self.files += 1
+        self.size += st.st_blocks * 512
+
+
 def _usage(root: str) -> tuple[int, int]:
     """Bytes of the files under `root` (as tmpfs counts them) and how many entries it has."""
-    size = files = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        files += len(dirnames) + len(filenames)
-        for name in filenames:
-            with contextlib.suppress(OSError):
-                size += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return size, files
+    fd = os.open(root, OPEN_DIR)
+    try:
+        usage = _Usage([fd])
+        usage.run()
+    finally:
+        os.close(fd)
+    return usage.size, usage.files
 
 
 async def copy_tree(src: str, dest: str) -> None:

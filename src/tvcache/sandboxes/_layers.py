@@ -16,16 +16,15 @@ import contextlib
 import hashlib
 import os
 import secrets
-import shutil
 import stat
 import subprocess
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
+
+from ._fdtree import OPEN_DIR, TreeChanged, Walk
 
 __all__ = ["LayerStore", "copy_layer", "is_empty", "listing", "listing_digest", "merge_layers", "relisted"]
-
-#: One entry of a change-detection listing: (relative path, inode, size, mtime, ctime, mode).
-Entry = tuple[str, int, int, int, int, int]
 
 
 def is_empty(path: str) -> bool:
@@ -33,24 +32,40 @@ def is_empty(path: str) -> bool:
         return next(it, None) is None
 
 
-def _walk(root: str, rel: str = "") -> Iterator[tuple[str, os.stat_result]]:
-    with os.scandir(os.path.join(root, rel) if rel else root) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for entry in entries:
-        path = f"{rel}/{entry.name}" if rel else entry.name
-        st = entry.stat(follow_symlinks=False)
-        yield path, st
-        if stat.S_ISDIR(st.st_mode):
-            yield from _walk(root, path)
+class _Lister(Walk):
+    """Hashes every entry's place, inode, size, times and mode, in name order (see `listing`)."""
+
+    def __init__(self, root: int):
+        super().__init__([root])
+        self.hash = hashlib.blake2b(digest_size=16)
+
+    def order(self, names: list[str]) -> list[str]:
+        return sorted(names)
+
+    def _add(self, name: str, st: os.stat_result) -> None:
+        # Depth and name, in depth-first order, say where an entry is as well as its path would.
+        fields = (len(self._stack), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+        self.hash.update(b"%d %d %d %d %d %o " % fields + os.fsencode(name) + b"\0")
+
+    def on_dir(self, fds: list[int], name: str, st: os.stat_result) -> None:
+        self._add(name, st)
+
+    def on_other(self, fds: list[int], name: str, st: os.stat_result) -> None:
+        self._add(name, st)
 
 
-def listing(root: str) -> list[Entry]:
-    """Everything under `root` (the root itself included) as change-detection entries, sorted by path."""
-    st = os.lstat(root)
-    out: list[Entry] = [(".", st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)]
-    for path, st in _walk(root):
-        out.append((path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode))
-    return out
+def listing(root: str) -> str:
+    """A digest of everything under `root` (the root itself included) for change detection: each entry's path,
+    inode, size, mtime, ctime and mode. A digest, not the list: a sandbox of 200k files would otherwise keep tens
+    of MiB of listing in this process."""
+    fd = os.open(root, OPEN_DIR)
+    try:
+        lister = _Lister(fd)
+        lister._add(".", os.fstat(fd))
+        lister.run()
+    finally:
+        os.close(fd)
+    return lister.hash.hexdigest()
 
 
 #: Top-level directories of a whole root filesystem that hold the host's volatile pseudo files, not its state.
@@ -59,7 +74,7 @@ PSEUDO_TOPS = frozenset({b"proc", b"sys", b"dev", b"run"})
 _FIND_FORMAT = "%P\\0%y %m %U %G %s %T@ %l\\0"
 
 
-async def relisted(upper: str, previous: list[Entry] | None) -> tuple[bool, list[Entry] | None]:
+async def relisted(upper: str, previous: str | None) -> tuple[bool, str | None]:
     """Whether the upper dir `upper` changed since its `previous` listing (None: never listed), and its listing
     now. An upper dir nothing wrote to is empty, which is checked in microseconds without listing it."""
     if previous is None and is_empty(upper):
@@ -103,75 +118,142 @@ def _is_opaque(path: str, xattr: str) -> bool:
         return False
 
 
-def _copy_metadata(src: str, st: os.stat_result, dest: str, *, overlay_xattrs: bool = False) -> None:
-    for name in os.listxattr(src, follow_symlinks=False):
+class Ref(NamedTuple):
+    """An entry named by a directory descriptor and one component (`dir_fd` None: `name` is a path of ours)."""
+
+    dir_fd: int | None
+    name: str
+
+    @property
+    def path(self) -> str:
+        """A path for the calls that take no directory descriptor (the xattr ones): through the descriptor's
+        /proc link, so only the last component is looked up, and never followed (they are called with
+        follow_symlinks=False)."""
+        return self.name if self.dir_fd is None else f"/proc/self/fd/{self.dir_fd}/{self.name}"
+
+
+def _copy_metadata(src: Ref, st: os.stat_result, dest: Ref, *, overlay_xattrs: bool = False) -> None:
+    """Give `dest` the xattrs, owner, mode and times of `src` (whose lstat is `st`); `dest` is this process's own
+    new entry, `src` is never followed if it is a symlink."""
+    for name in os.listxattr(src.path, follow_symlinks=False):
         if ".overlay." in name and not overlay_xattrs:
             continue  # overlayfs bookkeeping (origin, impure, opaque) belongs to the source layer
         with contextlib.suppress(OSError):  # e.g. security.* xattrs this process may not set
-            os.setxattr(dest, name, os.getxattr(src, name, follow_symlinks=False), follow_symlinks=False)
-    os.chown(dest, st.st_uid, st.st_gid, follow_symlinks=False)
+            os.setxattr(dest.path, name, os.getxattr(src.path, name, follow_symlinks=False), follow_symlinks=False)
+    os.chown(dest.name, st.st_uid, st.st_gid, dir_fd=dest.dir_fd, follow_symlinks=False)
     if not stat.S_ISLNK(st.st_mode):
-        os.chmod(dest, stat.S_IMODE(st.st_mode))
-    os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+        os.chmod(dest.name, stat.S_IMODE(st.st_mode), dir_fd=dest.dir_fd)
+    os.utime(dest.name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=dest.dir_fd, follow_symlinks=False)
+
+
+class _Links:
+    """The first copy of each file with several hard links, so that the others become links to it: as paths
+    relative to the directory descriptor `root` (None: absolute paths)."""
+
+    def __init__(self, root: int | None):
+        self.root = root
+        self.first: dict[tuple[int, int], str] = {}
+
+
+def _copy_file(src: Ref, st: os.stat_result, dest: Ref) -> None:
+    """Copy the regular file `src` (lstat `st`), opened without following a symlink, and only if it is still the
+    file that was stat'ed."""
+    fd = os.open(src.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src.dir_fd)
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(now.st_mode):
+            raise TreeChanged(f"{src.name!r} was replaced while it was copied")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        out = os.open(dest.name, flags, 0o600, dir_fd=dest.dir_fd)
+        try:
+            while os.sendfile(out, fd, None, 1 << 30) > 0:
+                pass
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
 
 
 def _copy_entry(
-    src: str, st: os.stat_result, dest: str, links: dict[tuple[int, int], str], *, overlay_xattrs: bool = False
+    src: Ref, st: os.stat_result, dest: Ref, links: _Links, rel: str, *, overlay_xattrs: bool = False
 ) -> None:
+    """Copy the non-directory `src` (lstat `st`) to `dest`; `rel` is where `dest` is for `links`."""
     key = (st.st_dev, st.st_ino)
-    if st.st_nlink > 1 and key in links:
-        os.link(links[key], dest, follow_symlinks=False)  # a hard link made inside the sandbox stays one
+    if st.st_nlink > 1 and key in links.first:
+        # A hard link made inside the sandbox stays one.
+        os.link(links.first[key], dest.name, src_dir_fd=links.root, dst_dir_fd=dest.dir_fd, follow_symlinks=False)
         return
     mode = st.st_mode
     if stat.S_ISREG(mode):
-        shutil.copyfile(src, dest)
+        _copy_file(src, st, dest)
     elif stat.S_ISLNK(mode):
-        os.symlink(os.readlink(src), dest)
+        os.symlink(os.readlink(src.name, dir_fd=src.dir_fd), dest.name, dir_fd=dest.dir_fd)
     elif is_whiteout(st) or stat.S_ISFIFO(mode):
-        os.mknod(dest, mode, st.st_rdev)
+        os.mknod(dest.name, mode, st.st_rdev, dir_fd=dest.dir_fd)
     else:
         return  # sockets are not state worth keeping; a device node is not a sandbox's to keep
     _copy_metadata(src, st, dest, overlay_xattrs=overlay_xattrs)
     if st.st_nlink > 1:
-        links[key] = dest
+        links.first[key] = rel
 
 
-def _in_creation_order(directory: str) -> list[os.DirEntry[str]]:
-    """The entries of `directory` in the order to create their copies in.
+class _LayerCopy(Walk):
+    """copy_layer's walk: the source tree and the copy in step."""
 
-    tmpfs, where layers live, lists a directory newest first. Creating the copies in reverse listing order makes
-    the copy list in the same order as the original, so that `find`, `os.listdir` or a glob print the same order
-    in a sandbox restored from a snapshot as in the sandbox that took it (an uncached run)."""
-    with os.scandir(directory) as it:
-        return list(it)[::-1]
+    def __init__(self, src: int, dest: int):
+        super().__init__([src, dest])
+        self.links = _Links(dest)
+
+    def order(self, names: list[str]) -> list[str]:
+        # tmpfs, where layers live, lists a directory newest first. Creating the copies in reverse listing order
+        # makes the copy list in the same order as the original, so that `find`, `os.listdir` or a glob print
+        # the same order in a sandbox restored from a snapshot as in the sandbox that took it (an uncached run).
+        return names[::-1]
+
+    def on_dir(self, fds: list[int], name: str, st: os.stat_result) -> None:
+        os.mkdir(name, 0o700, dir_fd=fds[1])
+
+    def on_other(self, fds: list[int], name: str, st: os.stat_result) -> None:
+        rel = "/".join([*self.parts, name])
+        _copy_entry(Ref(fds[0], name), st, Ref(fds[1], name), self.links, rel, overlay_xattrs=True)
+
+    def after_dir(self, fds: list[int], name: str, st: os.stat_result, inner: list[int]) -> None:
+        # Times last: filling the directory changed its mtime.
+        _copy_metadata(Ref(fds[0], name), st, Ref(fds[1], name), overlay_xattrs=True)
 
 
 def copy_layer(src: str, dest: str) -> None:
     """Copy a frozen upper dir to the new directory `dest` as it is: whiteouts, opaque directories and the rest
-    of overlayfs's xattrs, hard links between its files, times (directories' after their contents)."""
-    links: dict[tuple[int, int], str] = {}
+    of overlayfs's xattrs, hard links between its files, times (directories' after their contents).
 
-    def copy_dir(src_dir: str, dest_dir: str) -> None:
-        for entry in _in_creation_order(src_dir):
-            st = entry.stat(follow_symlinks=False)
-            target = os.path.join(dest_dir, entry.name)
-            if stat.S_ISDIR(st.st_mode):
-                os.mkdir(target)
-                copy_dir(entry.path, target)
-                _copy_metadata(entry.path, st, target, overlay_xattrs=True)
-            else:
-                _copy_entry(entry.path, st, target, links, overlay_xattrs=True)
+    `src` is a tree the sandbox wrote: it is walked relative to directory descriptors without following any
+    symlink (see _fdtree), so whatever it holds, the copy holds nothing from outside it; a tree that changes
+    under the copy is a `TreeChanged` error."""
+    src_fd = os.open(src, OPEN_DIR)
+    try:
+        os.mkdir(dest, 0o700)
+        dest_fd = os.open(dest, OPEN_DIR)
+        try:
+            _LayerCopy(src_fd, dest_fd).run()
+            _copy_metadata(
+                Ref(None, f"/proc/self/fd/{src_fd}"),
+                os.fstat(src_fd),
+                Ref(None, f"/proc/self/fd/{dest_fd}"),
+                overlay_xattrs=True,
+            )
+        finally:
+            os.close(dest_fd)
+    finally:
+        os.close(src_fd)
 
-    os.mkdir(dest)
-    copy_dir(src, dest)
-    _copy_metadata(src, os.lstat(src), dest, overlay_xattrs=True)
 
-
-def _merge_dir(
-    stack: list[str], below: list[str], dest: str, opaque: bool, xattr: str, links: dict[tuple[int, int], str]
-) -> None:
+def _fill_dir(
+    stack: list[str], below: list[str], dest: str, xattr: str, links: _Links
+) -> list[tuple[list[str], list[str], str, bool]]:
     """Write into the existing dir `dest` the union of `stack` (the same directory in several layers,
-    topmost first). `below` are the directories at this path in the base layers under the merged ones.
+    topmost first), all but the subdirectories' contents; returns those, as `_fill_dir`'s arguments and
+    whether the subdirectory is opaque, in the order they were made. `below` are the directories at this path
+    in the base layers under the merged ones.
 
     Whiteouts and opaque marks are kept only where they hide something in `below`: overlayfs reads a
     directory that exists in one layer alone as it is, so a whiteout left there would show up as a file.
@@ -185,7 +267,8 @@ def _merge_dir(
                 if entry.name not in seen:
                     seen.add(entry.name)
                     chosen.append((i, entry))
-    for i, entry in reversed(chosen):  # see _in_creation_order
+    subdirs = []
+    for i, entry in reversed(chosen):  # see _LayerCopy.order
         st = entry.stat(follow_symlinks=False)
         target = os.path.join(dest, entry.name)
         if is_whiteout(st):
@@ -209,12 +292,10 @@ def _merge_dir(
                     break
             sub_below = [p for b in below if os.path.isdir(p := os.path.join(b, entry.name))]
             os.mkdir(target)
-            _merge_dir(sub, [] if cut else sub_below, target, cut and bool(sub_below), xattr, links)
-            _copy_metadata(entry.path, st, target)
+            subdirs.append((sub, [] if cut else sub_below, target, cut and bool(sub_below)))
         else:
-            _copy_entry(entry.path, st, target, links)
-    if opaque:
-        os.setxattr(dest, xattr, b"y")
+            _copy_entry(Ref(None, entry.path), st, Ref(None, target), links, target)
+    return subdirs
 
 
 def merge_layers(layers_top_first: list[str], base: list[str], dest: str, opaque_xattr: str) -> None:
@@ -222,11 +303,25 @@ def merge_layers(layers_top_first: list[str], base: list[str], dest: str, opaque
     the directories `base` (the mount's fixed lower layers, which stay beneath the new one).
 
     Files are copied, not hard-linked: a link would change the link count that `ls -l` shows in sandboxes.
+    Layers are this process's own copies, so paths serve; the walk keeps its own stack, for trees of any depth.
     """
     os.mkdir(dest)
-    if layers_top_first:
-        _merge_dir(layers_top_first, base, dest, False, opaque_xattr, {})
-        _copy_metadata(layers_top_first[0], os.lstat(layers_top_first[0]), dest)
+    if not layers_top_first:
+        return
+    links = _Links(None)
+    # Work items: a directory to fill, or (after its contents) one whose metadata to copy.
+    work: list[tuple[bool, list[str], list[str], str, bool]] = [(False, layers_top_first, [], dest, False)]
+    work.append((True, layers_top_first, base, dest, False))
+    while work:
+        fill, stack, below, target, opaque = work.pop()
+        if not fill:
+            _copy_metadata(Ref(None, stack[0]), os.lstat(stack[0]), Ref(None, target))
+            continue
+        for sub, sub_below, sub_target, sub_opaque in reversed(_fill_dir(stack, below, target, opaque_xattr, links)):
+            work.append((False, sub, sub_below, sub_target, sub_opaque))
+            work.append((True, sub, sub_below, sub_target, sub_opaque))
+        if opaque:
+            os.setxattr(target, opaque_xattr, b"y")
 
 
 class LayerStore:

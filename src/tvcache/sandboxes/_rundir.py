@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import shutil
 import time
 from pathlib import Path
 
-from ._cgroups import remove_tree
+from ._cgroups import remove_tree as remove_cgroup_tree
+from ._fdtree import remove_tree
 from .reclaim import detach_all, mounts_below, owner_alive, owner_name, reclaim_dead, run_owner
 
 __all__ = ["RunDir", "mounts_below", "reap", "stale_run_dirs"]
@@ -47,12 +47,15 @@ def stale_run_dirs(tmp: Path) -> list[Path]:
 
 
 def reap(run_dir: Path) -> None:
-    """Detach every mount below a run dir, remove its cgroups and the dir."""
+    """Detach every mount below a run dir, remove its cgroups and the dir, whatever shape a dead sandbox left
+    its files in (any depth, any path length: see _fdtree.remove_tree)."""
     try:
         detach_all(run_dir)
     finally:
-        _remove_cgroups(run_dir)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        try:
+            _remove_cgroups(run_dir)
+        finally:
+            remove_tree(run_dir)
 
 
 class RunDir:
@@ -80,4 +83,4 @@ def _remove_cgroups(run_dir: Path) -> None:
     for d in dirs:
         if d and Path(d).name == run_dir.name:  # only a run's own groups, whatever the file says
             with contextlib.suppress(OSError):
-                remove_tree(Path(d))
+                remove_cgroup_tree(Path(d))

@@ -516,9 +516,9 @@ class DockerSandbox(ManagedSandbox):
         local = (info.get("GraphDriver") or {}).get("Name") == "overlay2"
         self._upper: str | None = data.get("UpperDir") if local and os.path.isdir(data.get("UpperDir", "")) else None
         self._merged: str | None = data.get("MergedDir") if local and os.path.isdir(data.get("MergedDir", "")) else None
-        self._listing: list[Any] | None = None
+        self._listing: str | None = None
         """The upper dir's listing at the last look; None while it is empty."""
-        self._last_commit: tuple[list[Any] | None, _Snapshot] | None = None
+        self._last_commit: tuple[str | None, _Snapshot] | None = None
         self._dead: str | None = None
         self._running: asyncio.Task[Any] | None = None
 
