@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from shell_oracle import out, run
+from shell_oracle import bash, out, run
 from test_workspace import MODES, small_base, usable
-from tvcache import ToolCall
-from tvcache.sandboxes.workspace import WorkspaceSandboxes
+from tvcache import SandboxError, ToolCall
+from tvcache.sandboxes.workspace import WorkspaceSandbox, WorkspaceSandboxes
 
 
 @pytest.fixture(params=MODES)
@@ -97,3 +102,110 @@ def test_a_timeout_ends_every_process_the_command_started(base: Path, mode: str)
             assert _gone(token), f"processes the command started outlived its timeout: {_running(token)}"
 
     run(main())
+
+
+# -- a racer in the upper dir while a snapshot copies it ----------------------------------------------------
+
+ROUNDS = 10
+#: Pairs of entries per kind: enough that a copy takes a while and some pair is always mid-swap.
+PAIRS = 400
+# Makes, in /testbed/race, PAIRS files with as many symlinks to a host file or /proc/self/environ, and PAIRS
+# directories with as many symlinks to a host directory.
+RACE_SETUP = """python3 -c '
+import os, sys
+os.makedirs("/testbed/race")
+os.chdir("/testbed/race")
+for i in range({pairs}):
+    open(f"f{{i}}", "w").write("sandbox\\n")
+    os.symlink("/proc/self/environ" if i % 2 else "{host}/secret", f"l{{i}}")
+    os.mkdir(f"d{{i}}")
+    open(f"d{{i}}/x", "w").write("sandbox\\n")
+    os.symlink("{host}/dir", f"h{{i}}")
+'"""
+# Swaps each file with its symlink and each directory with its symlink, with renameat2(RENAME_EXCHANGE), as
+# fast as it can until its stdin closes.
+RACER = """
+import ctypes, os, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+os.chdir(sys.argv[1])
+pairs = [(f"{a}{i}".encode(), f"{b}{i}".encode()) for i in range(int(sys.argv[2])) for a, b in (("f", "l"), ("d", "h"))]
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+print("racing", flush=True)
+while not stop.is_set():
+    for a, b in pairs:
+        libc.renameat2(-100, a, -100, b, 2)  # AT_FDCWD, RENAME_EXCHANGE
+"""
+
+
+def _leaks(tree: Path, secrets_: list[bytes]) -> list[str]:
+    """What in `tree` (walked without following symlinks) came from the host rather than from the sandbox."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(tree):
+        for name in dirnames + filenames:
+            path = Path(dirpath, name)
+            if name.startswith("host-only"):
+                found.append(f"{path}: a host directory's entry")
+            elif path.is_file() and not path.is_symlink():
+                data = path.read_bytes()
+                if any(s in data for s in secrets_):
+                    found.append(f"{path}: {data[:60]!r}")
+    return found
+
+
+def _race_dir(box: WorkspaceSandbox) -> str:
+    """/testbed/race in the upper dir that holds it."""
+    fs: Any = box._fs
+    for k in range(len(fs._listings)):
+        for top in (Path(fs._upper(k)), Path(fs._upper(k), "testbed")):
+            if os.path.lexists(top / "race"):
+                return str(top / "race")
+    raise AssertionError("no upper dir holds /testbed/race")
+
+
+def _start_racer(where: str) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-c", RACER, where, str(PAIRS)]
+    racer = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert racer.stdout is not None and racer.stdout.readline() == b"racing\n"
+    return racer
+
+
+def test_a_snapshot_copies_nothing_from_the_host_however_the_upper_dir_races(base: Path) -> None:
+    usable("overlay")
+    token = secrets.token_hex(8).encode()
+    host = Path(tempfile.mkdtemp(prefix="tvcache-host-", dir="/dev/shm"))
+    (host / "secret").write_bytes(b"host secret " + token)
+    (host / "dir").mkdir()
+    (host / "dir" / "host-only-file").write_bytes(b"host dir " + token)
+    setup = RACE_SETUP.format(pairs=PAIRS, host=host)
+    watched = [host / "secret", host / "dir", host / "dir" / "host-only-file"]
+    for path in watched:
+        os.utime(path, ns=(0, time.time_ns()))
+
+    async def main() -> None:
+        async with WorkspaceSandboxes(base, isolation="overlay") as boxes:
+            box = await boxes.create()
+            await bash(box, setup)
+            leaks: list[str] = []
+            for _ in range(ROUNDS):
+                racer = _start_racer(_race_dir(box))
+                try:
+                    try:
+                        snap = await box.snapshot()
+                    except SandboxError:
+                        continue  # the copy saw the tree change under it: no snapshot, nothing copied
+                finally:
+                    racer.communicate(b"")
+                layers = boxes._ctx.isolation.layers  # type: ignore[attr-defined]
+                leaks += _leaks(layers.root / box._stack[-1], [token, b"PATH="])
+                await boxes.delete(snap)
+                # The snapshot moved the entries into its layer: make them again on the new upper dir.
+                await bash(box, "rm -rf /testbed/race && " + setup)
+            assert not leaks, leaks
+            # Read by nobody: a read (by a copy that followed a symlink) would have moved their access times.
+            assert [os.stat(p).st_atime_ns for p in watched] == [0] * len(watched), "the host's files were read"
+
+    try:
+        run(main())
+    finally:
+        shutil.rmtree(host)
