@@ -22,7 +22,7 @@ import os
 import stat
 from collections.abc import Callable, Sequence
 
-__all__ = ["OPEN_DIR", "TreeChanged", "Walk", "remove_tree"]
+__all__ = ["OPEN_DIR", "Skip", "TreeChanged", "Walk", "remove_tree"]
 
 OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Directories of the walk's path kept open (per tree); far below any descriptor limit.
@@ -34,6 +34,10 @@ class TreeChanged(OSError):
 
     def __init__(self, what: str):
         super().__init__(errno.ESTALE, f"the tree changed during the walk: {what}")
+
+
+class Skip(Exception):
+    """Raised by `Walk.on_dir`: leave that directory out (not entered, no `after_dir`)."""
 
 
 def _id(st: os.stat_result) -> tuple[int, int]:
@@ -56,7 +60,8 @@ class Walk:
 
     Subclasses say what happens to each entry; the walk calls, with `fds` the current directory's descriptors:
 
-    - `on_dir(fds, name, st)` before it enters the directory `name` (in listing order, see `order`);
+    - `on_dir(fds, name, st)` before it enters the directory `name` (in listing order, see `order`), which it
+      leaves out if that raises `Skip`;
     - `on_other(fds, name, st)` for any other entry;
     - `after_dir(fds, name, st, inner)` once the directory's contents are done (`inner`: its descriptors).
 
@@ -117,7 +122,10 @@ class Walk:
         if not stat.S_ISDIR(st.st_mode):
             self.on_other(top.fds, name, st)
             return
-        self.on_dir(top.fds, name, st)
+        try:
+            self.on_dir(top.fds, name, st)
+        except Skip:
+            return
         fds: list[int] = []
         try:
             for fd in top.fds:

@@ -25,17 +25,21 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import re
 import secrets
-import shutil
 import signal
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import _syscalls as sc
+from ._fdtree import OPEN_DIR, Skip, Walk, remove_tree
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Leftover",
@@ -137,7 +141,10 @@ def reclaim_dead(parent: str | os.PathLike[str]) -> list[Leftover]:
     When nothing is dead this costs some directory listings (about 1 ms here)."""
     found = leftovers(scratch_parents([parent]), sized=False)
     for item in found:
-        item.reclaim()
+        try:
+            item.reclaim()
+        except Exception as exc:  # whatever a dead owner left, the next factory must start
+            log.warning("cannot reclaim %s: %r", item.where, exc)
     return found
 
 
@@ -272,11 +279,7 @@ def docker_leftovers(url: str | None = None) -> list[Leftover]:
 def remove(path: Path) -> None:
     """Detach the mounts at or below `path`, then remove it (a file or a tree); what is already gone is fine."""
     detach_all(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+    remove_tree(path)
 
 
 def detach_all(path: Path) -> None:
@@ -299,18 +302,38 @@ def mounts_below(path: Path) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
+class _Du(Walk):
+    def __init__(self, root: int):
+        super().__init__([root])
+        self.dev = os.fstat(root).st_dev
+        self.total = 0
+
+    def on_other(self, fds: list[int], name: str, st: os.stat_result) -> None:
+        if st.st_dev == self.dev:
+            self.total += st.st_blocks * 512
+
+    def on_dir(self, fds: list[int], name: str, st: os.stat_result) -> None:
+        if st.st_dev != self.dev:  # a mount point: neither it nor what is below counts
+            raise Skip
+        self.total += st.st_blocks * 512
+
+
 def du(path: Path) -> int:
     """Bytes `path` occupies (allocated blocks; one file system; what vanishes meanwhile counts 0)."""
     try:
         top = os.lstat(path)
     except OSError:
         return 0
-    total = top.st_blocks * 512
-    for folder, dirs, files in os.walk(path):
-        for name in dirs + files:
-            with contextlib.suppress(OSError):
-                st = os.lstat(os.path.join(folder, name))
-                if st.st_dev == top.st_dev:
-                    total += st.st_blocks * 512
-        dirs[:] = [d for d in dirs if not os.path.ismount(os.path.join(folder, d))]
-    return total
+    if not stat.S_ISDIR(top.st_mode):
+        return top.st_blocks * 512
+    try:
+        fd = os.open(path, OPEN_DIR)
+    except OSError:
+        return 0
+    try:
+        walk = _Du(fd)
+        with contextlib.suppress(OSError):
+            walk.run()
+    finally:
+        os.close(fd)
+    return top.st_blocks * 512 + walk.total
