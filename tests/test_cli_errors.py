@@ -113,7 +113,7 @@ def test_serve_without_a_token_on_a_non_loopback_address(tmp_path: Path) -> None
 
 
 def test_replay_fails_when_every_call_of_a_strategy_failed(tmp_path: Path) -> None:
-    """bash traces replayed on a SQLite sandbox: each call raises; the report is printed, then the error."""
+    """bash traces replayed on a SQLite sandbox: each call is refused; the report is printed, then the error."""
     bash = tmp_path / "bash.jsonl"
     good, bad = TraceCall("sql", {"query": "SELECT 1"}), TraceCall("bash", {"command": "ls /testbed"})
     write_traces(bash, [Trace("t", f"r{r}", "test", [bad, bad]) for r in range(2)])
@@ -123,7 +123,7 @@ def test_replay_fails_when_every_call_of_a_strategy_failed(tmp_path: Path) -> No
     errors = [line for line in result.stderr.splitlines() if line.startswith("tvcache replay: error: ")]
     assert len(errors) == 2, result.stderr
     for name, line in zip(("none", "tvcache"), errors, strict=True):
-        assert line.startswith(f"tvcache replay: error: every call of {name} failed (2 calls, 0 timeouts; the first:")
+        assert line.startswith(f"tvcache replay: error: every call of {name} failed (4 calls, 0 timeouts; the first:")
         assert "a SQLite sandbox has one tool, 'sql'; got 'bash'" in line and line.endswith("nothing was measured")
 
     # A tool that fails on every call makes the figures meaningless too, though other tools work.

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("aiodocker", reason="the docker extra is not installed (pip install -e '.[docker]')")
 
 # docker_base, task_image and second_daemon are fixtures, asked for by name below.
+import bad_calls
 import tvcache
 from docker_env import (  # noqa: F401
     SecondDaemon,
@@ -419,12 +420,21 @@ def test_bad_input_gets_clear_errors(task_image: str, docker_base: str, tmp_path
         async with DockerSandboxes(user_image) as boxes:
             box = await boxes.create()
             assert await out(box, "whoami; pwd") == "agent\n/\n"
-            with pytest.raises(ValueError, match="tools bash, read_file"):
-                await box.execute(ToolCall("python", {"code": "1"}))
-            with pytest.raises(ValueError, match="'command'"):
-                await box.execute(ToolCall("bash", {"cmd": "ls"}))
             with pytest.raises(SandboxError, match="does not exist"):
                 await boxes.restore("nope")
+
+    run(main())
+
+
+def test_a_models_bad_calls_are_answers_and_the_container_goes_on(task_image: str) -> None:
+    write = ToolCall("write_file", {"path": "/tmp/kept.txt", "content": "still here"})
+    read = ToolCall("bash", {"command": "cat /tmp/kept.txt"})
+
+    async def main() -> None:
+        async with DockerSandboxes(task_image) as boxes:
+            box = await boxes.create()
+            await bad_calls.check_refused(box, bad_calls.SHELL, write, read)
+            await bad_calls.check_rollout_goes_on(boxes, bad_calls.SHELL, write, read)
 
     run(main())
 

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import bad_calls
 from sandbox_oracle import check_snapshots_against_fresh_replay
 from tvcache import ToolCall
 from tvcache.sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
@@ -644,15 +645,18 @@ def test_bad_input_gets_a_clear_error(shm: Path) -> None:
     with pytest.raises(ValueError, match="timeout"):
         SQLiteSandboxes(make_db(shm / "ok.db"), timeout=0)
 
+
+def test_a_models_bad_calls_are_answers_and_the_sandbox_goes_on(shm: Path) -> None:
+    write = ToolCall("sql", {"query": "CREATE TABLE kept (x)"})
+    read = ToolCall("sql", {"query": "SELECT name FROM sqlite_master ORDER BY name"})
+
     async def main() -> None:
-        async with SQLiteSandboxes(shm / "ok.db", tmp=shm) as boxes:
+        async with SQLiteSandboxes(make_db(shm / "bad.db"), tmp=shm) as boxes:
             box = await boxes.create()
-            with pytest.raises(ValueError, match="one tool, 'sql'"):
-                await box.execute(ToolCall("bash", {"command": "ls"}))
-            with pytest.raises(ValueError, match="query"):
-                await box.execute(ToolCall("sql", {"sql": "SELECT 1"}))
-            with pytest.raises(ValueError, match="query"):
-                await box.execute(ToolCall("sql", {"query": 1}))
+            await bad_calls.check_refused(box, bad_calls.SQL, write, read)
+            answer = (await box.execute(ToolCall("sql", {"query": 1}))).output
+            assert answer == 'Error: the \'sql\' tool takes args {"query": str}, got {"query":1}'
+            await bad_calls.check_rollout_goes_on(boxes, bad_calls.SQL, write, read)
 
     asyncio.run(main())
 

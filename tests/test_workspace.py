@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+import bad_calls
 from shell_oracle import Listener, bash, cached_rollouts_wrong, out, random_command, rollout_plan, run, uncached
 from tvcache import SandboxError, ToolCall
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
@@ -655,13 +656,24 @@ def test_bad_input_gets_clear_errors(base: Path) -> None:
 
     async def main() -> None:
         async with WorkspaceSandboxes(base) as boxes:
-            box = await boxes.create()
-            with pytest.raises(ValueError, match="tools bash, read_file"):
-                await box.execute(ToolCall("python", {"code": "1"}))
-            with pytest.raises(ValueError, match="'command'"):
-                await box.execute(ToolCall("bash", {"cmd": "ls"}))
+            await boxes.create()
             with pytest.raises(SandboxError, match="does not exist"):
                 await boxes.restore("nope")
+
+    run(main())
+
+
+def test_a_models_bad_calls_are_answers_and_the_sandbox_goes_on(base: Path) -> None:
+    write = ToolCall("write_file", {"path": "kept.txt", "content": "still here"})
+    read = ToolCall("bash", {"command": "cat kept.txt; ls"})
+
+    async def main() -> None:
+        async with WorkspaceSandboxes(base) as boxes:
+            box = await boxes.create()
+            await bad_calls.check_refused(box, bad_calls.SHELL, write, read)
+            answer = (await box.execute(ToolCall("bash", {"cmd": "ls"}))).output
+            assert answer == {"error": 'bash needs a string argument \'command\', got args bash {"cmd":"ls"}'}
+            await bad_calls.check_rollout_goes_on(boxes, bad_calls.SHELL, write, read)
 
     run(main())
 

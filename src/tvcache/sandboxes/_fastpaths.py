@@ -25,6 +25,7 @@ from typing import Any
 from ..calls import ToolCall
 from ._shell import BoundedOutput, truncated_text
 from ._syscalls import openat2
+from .base import Outcome, refusal
 
 __all__ = ["TOOLS", "checked_args", "list_dir", "read_file", "write_file"]
 
@@ -33,17 +34,20 @@ TOOLS = ("bash", "read_file", "write_file", "list_dir")
 _ARGS = {"bash": ("command",), "read_file": ("path",), "write_file": ("path", "content"), "list_dir": ("path",)}
 
 
-def checked_args(call: ToolCall, backend: str) -> dict[str, Any]:
-    """The call's args, if it is one of TOOLS with its string arguments; else a ValueError saying what is
-    wrong (a mistake of the caller, not an answer of the sandbox)."""
+def checked_args(call: ToolCall, backend: str) -> dict[str, Any] | Outcome:
+    """The call's args, if it is one of TOOLS with its string arguments; else the refusal the model gets (an
+    `{"error": ...}` answer, the same every time, that leaves the sandbox as it was)."""
     if call.tool not in TOOLS:
-        raise ValueError(f"{backend} sandboxes have the tools {', '.join(TOOLS)}; got {call.tool!r}")
+        return refusal({"error": f"{backend} sandboxes have the tools {', '.join(TOOLS)}; got {call.tool!r}"})
     args = call.args
     if not isinstance(args, dict):
-        raise ValueError(f"{call.tool} takes a JSON object of arguments, got the text {call.key[:200]}")
+        return refusal({"error": f"{call.tool} takes a JSON object of arguments, got the text {call.key[:200]}"})
     for key in _ARGS[call.tool]:
-        if not isinstance(args.get(key), str):
-            raise ValueError(f"{call.tool} needs a string argument {key!r}, got args {call.key[:200]}")
+        value = args.get(key)
+        if not isinstance(value, str):
+            return refusal({"error": f"{call.tool} needs a string argument {key!r}, got args {call.key[:200]}"})
+        if "\0" in value and key != "content":  # a file may hold NUL bytes; a command line or a path cannot
+            return refusal({"error": f"{call.tool}: {key!r} contains a NUL byte, which a {key} cannot hold"})
     return args
 
 

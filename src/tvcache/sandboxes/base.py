@@ -44,11 +44,12 @@ class Outcome:
     error: bool = False
 
 
-def refusal(why: str) -> Outcome:
+def refusal(output: Output) -> Outcome:
     """The answer to a call a sandbox cannot run as given (an unknown tool, arguments of the wrong shape or type, a
-    NUL byte where the system takes none): `Error: <why>`, marked failed so it is not cached, and unchanged, so
-    the rollout and its sandbox carry on. A model's bad call is an answer it can learn from, not a crash."""
-    return Outcome(f"Error: {why}", changed=False, error=True)
+    NUL byte where the system takes none): `output` says why, in the sandbox's own form of an error, and the call is
+    marked failed, so it is not cached, and unchanged, so the rollout and its sandbox carry on. A model's bad call
+    is an answer it can learn from, not a crash."""
+    return Outcome(output, changed=False, error=True)
 
 
 @runtime_checkable

@@ -572,6 +572,8 @@ class DockerSandbox(ManagedSandbox):
 
     async def execute(self, call: ToolCall) -> Outcome:
         tool, args = call.tool, fast.checked_args(call, "docker")
+        if isinstance(args, Outcome):
+            return args
         async with self._turn():
             if self._dead is not None:
                 raise SandboxError(f"docker sandbox {self.id[:12]} is unusable: {self._dead}")

@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from ..calls import ToolCall
-from .base import Outcome, SandboxError
+from .base import Outcome, SandboxError, refusal
 from .lifecycle import ManagedSandbox, ManagedSandboxes
 from .reclaim import scratch_dir
 
@@ -352,6 +352,8 @@ class SQLiteSandbox(ManagedSandbox):
 
     async def execute(self, call: ToolCall) -> Outcome:
         query = _query_of(call)
+        if isinstance(query, Outcome):
+            return query
         async with self._turn():
             return await self._on_worker(self._run, query, watchdog=True)
 
@@ -664,12 +666,13 @@ def _remove(*paths: Path | None) -> None:
             path.unlink(missing_ok=True)
 
 
-def _query_of(call: ToolCall) -> str:
+def _query_of(call: ToolCall) -> str | Outcome:
+    """The call's query, or the refusal the model gets for a call the sandbox cannot run (the same every time)."""
     if call.tool != TOOL:
-        raise ValueError(f"a SQLite sandbox has one tool, {TOOL!r}; got {call.tool!r}")
+        return refusal(f"Error: a SQLite sandbox has one tool, {TOOL!r}; got {call.tool!r}")
     query = call.args.get("query") if isinstance(call.args, dict) else None
     if not isinstance(call.args, dict) or set(call.args) != {"query"} or not isinstance(query, str):
-        raise ValueError(f'the {TOOL!r} tool takes args {{"query": str}}, got {call.args!r:.200}')
+        return refusal(f'Error: the {TOOL!r} tool takes args {{"query": str}}, got {call.key[len(TOOL) + 1 :][:200]}')
     return query
 
 

@@ -467,6 +467,8 @@ class WorkspaceSandbox(ManagedSandbox):
 
     async def execute(self, call: ToolCall) -> Outcome:
         tool, args = call.tool, fast.checked_args(call, "workspace")
+        if isinstance(args, Outcome):
+            return args
         async with self._turn():
             state = self._state
             root = self.root
