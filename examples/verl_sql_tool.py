@@ -33,3 +33,7 @@ def sql(query: str) -> str:
         return f"Error: {exc}"
     finally:
         conn.close()
+
+
+if __name__ == "__main__":  # the tool on its own, as veRL calls it: one statement's answer
+    print(sql("SELECT count(*) AS tracks FROM Track"))

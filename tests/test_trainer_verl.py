@@ -129,8 +129,10 @@ def test_row_kwargs_enter_the_fingerprint() -> None:
     assert a.fingerprint == VerlToolSandboxes(tools, {"sql": {"create_kwargs": {"ground_truth": "1"}}}).fingerprint
 
 
-def test_the_example_runs_without_arguments() -> None:
+def test_the_examples_run_without_arguments() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), *sys.path])}
+    tool = subprocess.run([sys.executable, str(example.TOOL_FILE)], capture_output=True, text=True, env=env)
+    assert tool.returncode == 0 and tool.stdout.split() == ["tracks", "3503"], tool.stderr[-3000:]
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / "verl_text2sql.py")], capture_output=True, text=True, env=env, timeout=900
     )
