@@ -36,6 +36,16 @@ SQL = [
 ]
 
 
+async def check(boxes: Sandboxes, bad: Sequence[tuple[str, Any]], write: ToolCall, read: ToolCall) -> None:
+    """Both checks below, on a sandbox of `boxes` and through the cache."""
+    box = await boxes.create()
+    try:
+        await check_refused(box, bad, write, read)
+    finally:
+        await box.close()
+    await check_rollout_goes_on(boxes, bad, write, read)
+
+
 async def check_refused(box: Sandbox, bad: Sequence[tuple[str, Any]], write: ToolCall, read: ToolCall) -> None:
     """`write` changes the sandbox's state and `read` reads it: after each bad call, twice, `read` answers as before."""
     await box.execute(write)

@@ -667,15 +667,13 @@ def test_a_models_bad_calls_are_answers_and_the_sandbox_goes_on(base: Path) -> N
     write = ToolCall("write_file", {"path": "kept.txt", "content": "still here"})
     read = ToolCall("bash", {"command": "cat kept.txt; ls"})
 
-    async def main() -> None:
+    async def main() -> Any:
         async with WorkspaceSandboxes(base) as boxes:
-            box = await boxes.create()
-            await bad_calls.check_refused(box, bad_calls.SHELL, write, read)
-            answer = (await box.execute(ToolCall("bash", {"cmd": "ls"}))).output
-            assert answer == {"error": 'bash needs a string argument \'command\', got args bash {"cmd":"ls"}'}
-            await bad_calls.check_rollout_goes_on(boxes, bad_calls.SHELL, write, read)
+            await bad_calls.check(boxes, bad_calls.SHELL, write, read)
+            return (await (await boxes.create()).execute(ToolCall("bash", {"cmd": "ls"}))).output
 
-    run(main())
+    answer = run(main())
+    assert answer == {"error": 'bash needs a string argument \'command\', got args bash {"cmd":"ls"}'}
 
 
 def test_mapping_base_and_fingerprint(base: Path) -> None:
