@@ -25,6 +25,11 @@ SHELL = [
     ("read_file", {"path": "a\0b"}),
     ("list_dir", {"path": "\0"}),
 ]
+#: A call that changes a shell sandbox's state, and one that reads it.
+SHELL_STATE = (
+    ToolCall("write_file", {"path": "/tmp/kept.txt", "content": "still here"}),
+    ToolCall("bash", {"command": "cat /tmp/kept.txt; ls /tmp"}),
+)
 #: Bad calls of SQLite sandboxes' one tool.
 SQL = [
     ("bash", {"command": "ls"}),

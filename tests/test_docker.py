@@ -427,12 +427,9 @@ def test_bad_input_gets_clear_errors(task_image: str, docker_base: str, tmp_path
 
 
 def test_a_models_bad_calls_are_answers_and_the_container_goes_on(task_image: str) -> None:
-    write = ToolCall("write_file", {"path": "/tmp/kept.txt", "content": "still here"})
-    read = ToolCall("bash", {"command": "cat /tmp/kept.txt"})
-
     async def main() -> None:
         async with DockerSandboxes(task_image) as boxes:
-            await bad_calls.check(boxes, bad_calls.SHELL, write, read)
+            await bad_calls.check(boxes, bad_calls.SHELL, *bad_calls.SHELL_STATE)
 
     run(main())
 

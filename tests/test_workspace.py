@@ -664,12 +664,9 @@ def test_bad_input_gets_clear_errors(base: Path) -> None:
 
 
 def test_a_models_bad_calls_are_answers_and_the_sandbox_goes_on(base: Path) -> None:
-    write = ToolCall("write_file", {"path": "kept.txt", "content": "still here"})
-    read = ToolCall("bash", {"command": "cat kept.txt; ls"})
-
     async def main() -> Any:
         async with WorkspaceSandboxes(base) as boxes:
-            await bad_calls.check(boxes, bad_calls.SHELL, write, read)
+            await bad_calls.check(boxes, bad_calls.SHELL, *bad_calls.SHELL_STATE)
             return (await (await boxes.create()).execute(ToolCall("bash", {"cmd": "ls"}))).output
 
     answer = run(main())
