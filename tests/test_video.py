@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -27,7 +28,7 @@ from tvcache.calls import ToolCall
 from tvcache_bench import cli as bench_cli
 from tvcache_bench.replay import ReplayOptions
 from tvcache_bench.report import print_tool_table, write_tool_chart
-from tvcache_bench.workloads.video import analysis, clips, features, policy, tasks
+from tvcache_bench.workloads.video import analysis, clips, features, interpreter, policy, tasks
 from tvcache_bench.workloads.video import bench as video_bench
 from tvcache_bench.workloads.video.sandbox import VideoSandboxes
 
@@ -201,16 +202,41 @@ def test_preprocess_works_from_a_venv_under_tmp(
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["prefix"] == str(venv)  # the premise: the tools ran from the venv
+    assert got["outcomes"] == load_and_preprocess(boxes)
 
-    async def here() -> list[list[Any]]:
+
+def load_and_preprocess(boxes: VideoSandboxes) -> list[list[Any]]:
+    """[output, error] of load_video("alpha") then preprocess() in a new sandbox of `boxes` (both answered)."""
+
+    async def go() -> list[list[Any]]:
         box = await boxes.create()
         outcomes = [await box.execute(c) for c in (call("load_video", video="alpha"), call("preprocess"))]
         await box.close()
         return [[o.output, o.error] for o in outcomes]
 
-    expected = asyncio.run(here())
-    assert expected[1][1] is False and "segments" in expected[1][0]
-    assert got["outcomes"] == expected
+    answers = asyncio.run(go())
+    assert answers[1][1] is False and answers[1][0].startswith("Preprocessed video.mp4"), answers
+    return answers
+
+
+def test_preprocess_works_from_prefixes_mounted_elsewhere(
+    videos: video_bench.Videos, boxes: VideoSandboxes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a Python the sandbox cannot see at all gets (a venv, or the Python it was made from, under /tmp or
+    on another filesystem): its prefixes mounted at /opt/tvcache-python/N, the interpreter, standard library and
+    site-packages used from there. Stand-in: this process's prefixes are declared unseen, so they are mounted
+    although the sandbox would see them."""
+    monkeypatch.setattr(interpreter, "_visible", lambda path: False)
+    python = interpreter.sandboxed_python()
+    assert set(python.mounts.values()) == {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+    assert "/opt/tvcache-python/" in python.command and os.path.realpath(sys.base_prefix) not in python.command
+    mounted = VideoSandboxes(videos.catalogue, timeout=120, tmp=SHM)
+    try:
+        got = load_and_preprocess(mounted)
+    finally:
+        asyncio.run(mounted.close())
+    monkeypatch.undo()
+    assert got == load_and_preprocess(boxes)
 
 
 def test_a_restored_snapshot_carries_the_preprocessed_video(boxes: VideoSandboxes) -> None:

@@ -53,6 +53,9 @@ def sandboxed_python(at: str = "/opt/tvcache-python") -> SandboxedPython:
     # The current directory ('') and entries with a ':' (which PYTHONPATH cannot hold) are left out.
     path = [inside(p) for p in sys.path if p and os.pathsep not in p and os.path.exists(p)]
     env = f"PYTHONPATH={shlex.quote(os.pathsep.join(dict.fromkeys(path)))}"
+    base = os.path.realpath(sys.base_prefix)
+    if base in moved:  # a Python built with --enable-shared finds libpython by an absolute path (RUNPATH)
+        env += f" LD_LIBRARY_PATH={shlex.quote(moved[base] + '/lib')}"
     return SandboxedPython(
         mounts={point: prefix for prefix, point in moved.items()},
         command=f"{env} {shlex.quote(executable)} -S -B",
