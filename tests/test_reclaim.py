@@ -207,7 +207,9 @@ def test_a_reused_pid_does_not_pass_for_the_owner(tmp: Path, db: Path) -> None:
 def test_a_live_owner_in_another_pid_namespace_is_never_taken_for_dead(tmp: Path, db: Path, base: Path) -> None:
     """A container sharing this /dev/shm (`--ipc=host`, common for torch jobs) has pids that name other processes
     here, or none: its live scratch and run dirs must survive every factory and gc made outside it."""
-    child = Child("sqlite+workspace", db, base, tmp, prefix=["unshare", "--pid", "--fork", "--mount-proc"])
+    child = Child(
+        "sqlite+workspace", db, base, tmp, prefix=["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    )
     child.wait_for("idle")
     theirs = [p for p in [*tmp.iterdir(), *(tmp / "tvcache-workspace").iterdir()] if "tvcache-sqlite-" in p.name]
     theirs += list((tmp / "tvcache-workspace").glob("run-*"))
