@@ -30,6 +30,7 @@ from tvcache_bench.replay import ReplayOptions
 from tvcache_bench.report import print_tool_table, write_tool_chart
 from tvcache_bench.workloads.video import analysis, clips, features, interpreter, policy, tasks
 from tvcache_bench.workloads.video import bench as video_bench
+from tvcache_bench.workloads.video import sandbox as video_sandbox
 from tvcache_bench.workloads.video.sandbox import VideoSandboxes
 
 SPECS = (clips.VideoSpec("alpha", 4, 11, "bunny"), clips.VideoSpec("beta", 4, 12, "bikes"))
@@ -369,6 +370,23 @@ def test_tvcache_answers_match_the_oracle_over_two_epochs_and_naive_ones_do_not(
     print_tool_table(result)
     assert "hit rate per tool" in capsys.readouterr().out
     assert [p.name for p in write_tool_chart(result, tmp_path)] == ["video-tool-hit-rate.png"]
+
+
+def test_a_bench_whose_preprocess_always_fails_says_so_and_fails(
+    videos: video_bench.Videos, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The finding of issue 19: from a venv the sandbox could not see, every preprocess failed and `tvcache bench
+    video` printed its table and exited 0. Stand-in for that venv: an interpreter path that does not exist."""
+    broken = interpreter.SandboxedPython({}, "/tmp/no-such-venv/bin/python")
+    monkeypatch.setattr(video_sandbox, "sandboxed_python", lambda: broken)
+    options = ReplayOptions(batch=1, epochs=1, concurrency=4, progress=False, verify=False)
+    one = dataclasses.replace(videos, tasks=videos.tasks[:1])
+    result = asyncio.run(video_bench.bench(one, rollouts=2, options=options, strategies=["none", "tvcache"]))
+    assert bench_cli._failed_strategies("tvcache bench video", result.summary()) == 1
+    errors = capsys.readouterr().err.splitlines()
+    for name, line in zip(("none", "tvcache"), errors, strict=True):
+        assert line.startswith(f"tvcache bench video: error: every call of the tool 'preprocess' under {name} failed")
+        assert "/tmp/no-such-venv/bin/python: No such file or directory" in line
 
 
 def test_bench_options_that_do_not_apply_to_video_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
