@@ -1,7 +1,8 @@
 """The house rules: `import tvcache` stays light, and every import points down the layers.
 
-calls, graph, stats, version            what a call and a state are
-policy                                  decisions from measured costs (pure)
+calls, graph, stats, version, errors    what a call and a state are, and what can go wrong
+tasks                                   the cache's task group
+policy, jsonhttp                        decisions from measured costs (pure); the HTTP client under both
 stores, sandboxes                       where the graph lives; where calls run
 warm, context                           what a cache shares with its rollouts
 live, rollout                           the per-call algorithm
@@ -28,7 +29,10 @@ RANKS = {
     "graph": 0,
     "stats": 0,
     "version": 0,
+    "errors": 0,
+    "tasks": 0,
     "policy": 1,
+    "jsonhttp": 1,
     "stores": 2,
     "sandboxes": 2,
     "warm": 3,

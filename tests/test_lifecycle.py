@@ -312,3 +312,20 @@ def test_remote_sandboxes_raise_what_local_ones_do_and_refuse_use_after_close(tm
 
     with SandboxServer(tmp_path, ["--sandbox", "python:server_helpers:sandboxes"]) as server:
         asyncio.run(main(server.url))
+
+
+def test_the_http_store_refuses_use_after_close(tmp_path: Path) -> None:
+    """A real `tvcache serve` on loopback."""
+    from server_helpers import Server
+    from tvcache.stores.http import HTTPStore
+
+    async def main(url: str) -> None:
+        store = HTTPStore(url)
+        await store.ping()
+        await store.close()
+        await store.close()  # a second close does nothing
+        with pytest.raises(RuntimeError, match="closed"):
+            await store.ping()
+
+    with Server(tmp_path, "memory://", None) as server:
+        asyncio.run(main(server.url))

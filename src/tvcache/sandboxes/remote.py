@@ -31,15 +31,13 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
-import os
 import random
 import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
@@ -49,7 +47,6 @@ from ..graph import decode_output
 from .base import Outcome, SandboxBusy, SandboxError, SnapshotGone, ToolError
 from .remote_wire import (
     CreateRequest,
-    ErrorReply,
     ExecuteReply,
     ExecuteRequest,
     InfoReply,
@@ -63,8 +60,9 @@ from .remote_wire import (
 
 require("client", "tvcache.RemoteSandboxes", "aiohttp")
 
-import aiohttp  # noqa: E402  (after the check that names the extra to install)
-from yarl import URL  # noqa: E402
+from yarl import URL  # noqa: E402  (after the check that names the extra to install)
+
+from ..jsonhttp import Invalid, JSONClient, Refused, Unreachable, parse_url  # noqa: E402
 
 __all__ = ["RemoteSandbox", "RemoteSandboxes"]
 
@@ -75,20 +73,8 @@ T = TypeVar("T")
 RETRY_AFTER = 5.0  # seconds a server that failed to answer is tried last
 MARGIN = 5.0  # an execute's deadline: the server's own (its call timeout and a grace), and this
 MAX_REPLY = 64 << 20  # a 16 MiB output is ~22 MB as base64
-IDLE_SECONDS = 30.0  # idle pooled connections close before the server's keep-alive (75 s) would close them
 DEFAULT_CALL_TIMEOUT = 600.0  # until a server has told its own
 PROBE_TIMEOUT = 10.0  # the constructor's blocking question to each server
-
-_encoder = msgspec.json.Encoder()
-_errors = msgspec.json.Decoder(ErrorReply)
-_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
-
-
-def _decoder(kind: Any) -> msgspec.json.Decoder[Any]:
-    decoder = _decoders.get(kind)
-    if decoder is None:
-        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
-    return decoder
 
 
 class _Unreachable(SandboxError):
@@ -144,25 +130,16 @@ class RemoteSandboxes:
         given = [urls] if isinstance(urls, str) else list(urls)
         if not given:
             raise ValueError("RemoteSandboxes needs at least one sandbox server URL")
-        if not (timeout > 0 and connect_timeout > 0):
-            raise ValueError("timeouts must be > 0")
-        parsed = [_parse(u) for u in given]
+        parsed = [parse_url(u, "a sandbox server") for u in given]
         self.urls = sorted({url for url, _ in parsed})
-        token = token or next((t for _, t in parsed if t), None) or os.environ.get("TVCACHE_TOKEN") or None
-        self._headers = {"Content-Type": "application/json"}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+        token = token or next((t for _, t in parsed if t), None)
+        self._client = JSONClient(token, timeout=timeout, connect_timeout=connect_timeout, max_reply=MAX_REPLY)
         # The same list of servers gives the same origin in every process: snapshots are shared between them.
         self.origin = "remote:" + hashlib.blake2b("\n".join(self.urls).encode(), digest_size=12).hexdigest()
-        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
-        self._connect_timeout = connect_timeout
         self._servers = [_Server(url) for url in self.urls]
         self._by_id: dict[str, _Server] = {}
         self._fingerprint = ""
         self._first_probe(min(timeout, PROBE_TIMEOUT))
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closer: AsyncGenerator[None, None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._last_probe = time.monotonic()
         self._closed = False
@@ -233,9 +210,7 @@ class RemoteSandboxes:
                 await RemoteSandbox(self, server, sandbox).close()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        closer, self._closer, self._session = self._closer, None, None
-        if closer is not None and self._loop is asyncio.get_running_loop():
-            await closer.aclose()
+        await self._client.close()
 
     async def __aenter__(self) -> RemoteSandboxes:
         return self
@@ -263,10 +238,10 @@ class RemoteSandboxes:
                 server.down_until = time.monotonic() + RETRY_AFTER
 
     def _info_blocking(self, server: _Server, timeout: float) -> InfoReply | str:
-        request = urllib.request.Request(str(server.paths["info"]), headers=self._headers)
+        request = urllib.request.Request(str(server.paths["info"]), headers=self._client.headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
-                info: InfoReply = _decoder(InfoReply).decode(response.read(MAX_REPLY))
+                info: InfoReply = msgspec.json.decode(response.read(MAX_REPLY), type=InfoReply)
                 return info
         except urllib.error.HTTPError as exc:
             return f"{server.url} answered {exc.code}: {exc.read(500).decode(errors='replace')}"
@@ -323,56 +298,29 @@ class RemoteSandboxes:
 
     # -- HTTP ----------------------------------------------------------------------------------------------
 
-    async def _client(self) -> aiohttp.ClientSession:
-        # A session belongs to the event loop it was made in: under a new loop (another asyncio.run, a
-        # SyncToolCache thread) a new one is made.
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._loop is not loop or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_SECONDS)
-            self._session = aiohttp.ClientSession(
-                connector=connector, headers=self._headers, timeout=self._timeout, auto_decompress=False
-            )
-            self._loop = loop
-            self._closer = _closed_with_loop(self._session)
-            await anext(self._closer)
-        return self._session
-
     async def _call(
         self, server: _Server, name: str, request: msgspec.Struct | None, reply: Any, deadline: float | None = None
     ) -> Any:
-        session = await self._client()
-        timeout = self._timeout
-        if deadline is not None:
-            timeout = aiohttp.ClientTimeout(total=deadline, sock_connect=self._connect_timeout)
+        client = self._client
         try:
-            if request is None:
-                response = await session.get(server.paths[name], timeout=timeout)
-            else:
-                response = await session.post(server.paths[name], data=_encoder.encode(request), timeout=timeout)
-            async with response:
-                size = response.content_length
-                if size is None or size > MAX_REPLY:
-                    raise _Refused(response.status, f"sandbox server {server.url} sent a reply of {size} bytes")
-                data = await response.read()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            answer = await client.call(
+                server.paths[name], request, reply, client.deadline(deadline) if deadline else None
+            )
+        except Unreachable as exc:
             server.down_until = time.monotonic() + RETRY_AFTER
-            raise _Unreachable(f"sandbox server {server.url} failed on {name}: {type(exc).__name__}: {exc}") from exc
-        server.down_until = 0.0
-        if response.status != 200:
-            try:
-                message = _errors.decode(data).error
-            except msgspec.DecodeError:
-                message = data[:200].decode(errors="replace")
-            message = f"sandbox server {server.url} answered {name} with {response.status}: {message}"
-            if name == "execute" and response.status in (400, 422):
-                raise ToolError(message)  # the call was refused before it ran, as a local sandbox refuses it
-            if name == "restore" and response.status == 404:
-                raise SnapshotGone(message)
-            raise _Refused(response.status, message)
-        try:
-            return _decoder(reply).decode(data)
-        except msgspec.DecodeError as exc:
+            raise _Unreachable(f"sandbox server {server.url} failed on {name}: {exc}") from exc
+        except Refused as exc:
+            server.down_until = 0.0
+            message = f"sandbox server {server.url} answered {name} with {exc.status}: {exc.message}"
+            if name == "execute" and exc.status in (400, 422):
+                raise ToolError(message) from None  # the call was refused before it ran, as a local sandbox does
+            if name == "restore" and exc.status == 404:
+                raise SnapshotGone(message) from None
+            raise _Refused(exc.status, message) from None
+        except Invalid as exc:
             raise SandboxError(f"sandbox server {server.url} sent an invalid {name} reply: {exc}") from exc
+        server.down_until = 0.0
+        return answer
 
 
 class RemoteSandbox:
@@ -418,22 +366,3 @@ class RemoteSandbox:
 
 
 _OPERATIONS = ("create", "restore", "execute", "snapshot", "close", "delete", "renew", "info")
-
-
-def _parse(url: str) -> tuple[str, str | None]:
-    """`url` without user info or trailing slash, and the token it carried (`http://:TOKEN@host:port`)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"a sandbox server URL is http://host:port, got {url!r}")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    netloc = host if parts.port is None else f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", "")), parts.password or parts.username
-
-
-async def _closed_with_loop(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
-    """Suspended until closed: by `RemoteSandboxes.close`, or by its event loop shutting down (asyncio.run
-    finalizes the async generators of its loop), so a session never outlives its loop's connections."""
-    try:
-        yield
-    finally:
-        await session.close()

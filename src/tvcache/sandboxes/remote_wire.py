@@ -16,6 +16,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from ..jsonhttp import ErrorReply
+
 __all__ = [
     "CreateRequest",
     "ErrorReply",
@@ -77,10 +79,6 @@ class ExecuteRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class RenewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sandboxes: Annotated[list[SandboxId], msgspec.Meta(max_length=MAX_RENEW)]
-
-
-class ErrorReply(msgspec.Struct, frozen=True):
-    error: str
 
 
 class SandboxReply(msgspec.Struct, frozen=True):

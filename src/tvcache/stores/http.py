@@ -17,17 +17,14 @@ error) and uses the cache again once the server answers. Numbers past the wire f
 
 from __future__ import annotations
 
-import asyncio
-import os
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
-import aiohttp
 import msgspec
 from yarl import URL
 
 from ..graph import Entry
+from ..jsonhttp import Invalid, JSONClient, Refused, Unreachable, parse_url
 from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo
 from .wire import (
     MAX_COUNT,
@@ -36,7 +33,6 @@ from .wire import (
     MAX_WAIT,
     AddSnapshotRequest,
     DropSnapshotRequest,
-    ErrorReply,
     ExportRequest,
     LeaseRequest,
     LookupReply,
@@ -56,12 +52,7 @@ __all__ = ["HTTPStore"]
 T = TypeVar("T")
 
 WAIT_MARGIN = 10.0  # a wait's HTTP timeout exceeds its wait timeout by this much: the server answers first
-IDLE_SECONDS = 30.0  # idle pooled connections close before the server's keep-alive (75 s) would close them
 PING_SCOPE = "0" * 32  # no task has this scope key (a root node id is a hash): `ping` lists its snapshots
-
-_encoder = msgspec.json.Encoder()
-_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
-_errors = msgspec.json.Decoder(ErrorReply)
 
 
 def _within(value: float, high: float) -> float:
@@ -69,77 +60,27 @@ def _within(value: float, high: float) -> float:
     return max(0.0, min(value, high))
 
 
-def _decoder(kind: Any) -> msgspec.json.Decoder[Any]:
-    decoder = _decoders.get(kind)
-    if decoder is None:
-        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
-    return decoder
-
-
 class HTTPStore:
     def __init__(self, url: str, token: str | None = None, *, timeout: float = 5.0, connect_timeout: float = 1.0):
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"an HTTP store URL is http://host:port, got {url!r}")
-        if timeout <= 0 or connect_timeout <= 0:
-            raise ValueError("timeouts must be > 0")
-        token = token or parts.password or parts.username or os.environ.get("TVCACHE_TOKEN") or None
-        netloc = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
-        if ":" in parts.hostname:  # an IPv6 literal
-            netloc = f"[{parts.hostname}]" + (f":{parts.port}" if parts.port else "")
-        self.url = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))  # no token: safe to log
+        self.url, given = parse_url(url, "an HTTP store")  # no token: safe to log
         self._urls = {name: URL(f"{self.url}/v1/{name}") for name in _NAMES}
-        self._headers = {"Content-Type": "application/json"}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
-        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
-        self._connect_timeout = connect_timeout
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closer: AsyncGenerator[None, None] | None = None
-
-    async def _client(self) -> aiohttp.ClientSession:
-        # A session belongs to the event loop it was made in: a store used under a new loop (another
-        # asyncio.run) makes a new one.
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._loop is not loop or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_SECONDS, ttl_dns_cache=300)
-            self._session = aiohttp.ClientSession(
-                connector=connector, headers=self._headers, timeout=self._timeout, auto_decompress=False
-            )
-            self._loop = loop
-            self._closer = _closing(self._session)
-            await anext(self._closer)
-        return self._session
+        self._client = JSONClient(token or given, timeout=timeout, connect_timeout=connect_timeout)
 
     async def _call(
         self, name: str, request: msgspec.Struct | None, reply: type[T] | Any, wait: float = 0.0, *, doing: str = ""
     ) -> T:
         """One request to the operation `name`; errors name what the caller was `doing` (default: the operation)."""
         doing = doing or name
-        timeout = None
-        if wait:
-            timeout = aiohttp.ClientTimeout(total=wait + WAIT_MARGIN, sock_connect=self._connect_timeout)
-        session = await self._client()
+        client = self._client
         try:
-            if request is None:
-                response = await session.get(self._urls[name], timeout=timeout or self._timeout)
-            else:
-                body = _encoder.encode(request)
-                response = await session.post(self._urls[name], data=body, timeout=timeout or self._timeout)
-            async with response:
-                data = await response.read()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise StoreError(f"cache server {self.url} failed on {doing}: {type(exc).__name__}: {exc}") from exc
-        if response.status != 200:
-            try:
-                message = _errors.decode(data).error
-            except msgspec.DecodeError:
-                message = data[:200].decode(errors="replace")
-            raise StoreError(f"cache server {self.url} answered {doing} with {response.status}: {message}")
-        try:
-            result: T = _decoder(reply).decode(data)
-        except msgspec.DecodeError as exc:
+            result: T = await client.call(
+                self._urls[name], request, reply, client.deadline(wait + WAIT_MARGIN) if wait else None
+            )
+        except Unreachable as exc:
+            raise StoreError(f"cache server {self.url} failed on {doing}: {exc}") from exc
+        except Refused as exc:
+            raise StoreError(f"cache server {self.url} answered {doing} with {exc.status}: {exc.message}") from None
+        except Invalid as exc:
             raise StoreError(f"cache server {self.url} sent an invalid reply to {doing}: {exc}") from exc
         return result
 
@@ -206,19 +147,8 @@ class HTTPStore:
         await self._call("snapshots", SnapshotsRequest(PING_SCOPE, None), list[SnapshotRecord], doing="a ping")
 
     async def close(self) -> None:
-        closer, self._closer, self._session = self._closer, None, None
-        if closer is not None and self._loop is asyncio.get_running_loop():
-            await closer.aclose()
-
-
-async def _closing(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
-    """Closes `session` when closed itself: by `HTTPStore.close`, or by the event loop before it shuts down
-    (asyncio.run() finalizes the async generators of its loop), so a store used under several loops in
-    turn, or never closed, leaves no connections open behind it."""
-    try:
-        yield
-    finally:
-        await session.close()
+        """Close the connections; idempotent. Afterwards every operation raises `RuntimeError`."""
+        await self._client.close()
 
 
 _NAMES = (

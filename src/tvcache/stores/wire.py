@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import msgspec
 
 from ..graph import Entry, Kind
+from ..jsonhttp import ErrorReply
 from .base import Claim, GraphExport, Lease, SnapshotRecord, TaskInfo
 
 __all__ = [
@@ -171,10 +172,6 @@ class LookupReply(msgspec.Struct, frozen=True, omit_defaults=True):
 
     entry: WireEntry | None = None
     claim: Claim | None = None
-
-
-class ErrorReply(msgspec.Struct, frozen=True):
-    error: str
 
 
 class Totals(msgspec.Struct, frozen=True):
