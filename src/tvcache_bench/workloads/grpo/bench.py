@@ -27,11 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tvcache.calls import ToolCall
 from tvcache.sandboxes.reclaim import scratch
-from tvcache.sandboxes.sqlite import SQLiteSandboxes
 
-from .env import BackgroundLoop, Reward, SQLEnvironment, StepTally
+from .env import Database, Reward, SQLEnvironment, StepTally
 from .model import load_model, load_tokenizer, stop_tokens, train_last_blocks
 from .tasks import EXAMPLE_QUERY, chinook, database_path, rows
 
@@ -92,8 +90,7 @@ def train(
     from tvcache.integrations.trl import cached_environment
     from tvcache.sync import SyncToolCache
 
-    databases = {"chinook": SQLiteSandboxes(database_path("chinook"), timeout=SQL_TIMEOUT)}
-    loop = BackgroundLoop()
+    databases = {"chinook": database_path("chinook")}
     cache = SyncToolCache() if name == "tvcache" else None
     run = Run(name)
 
@@ -107,11 +104,11 @@ def train(
             run.step_seconds.append(time.perf_counter() - self.started)
 
     def plain() -> SQLEnvironment:
-        return SQLEnvironment(databases, loop)
+        return SQLEnvironment(databases, SQL_TIMEOUT)
 
     factory: Callable[[], Any] = plain
     if cache is not None:
-        factory = cached_environment(plain, lambda row: databases[row["database"]], cache=cache)
+        factory = cached_environment(plain, cache=cache)
     reward = Reward(cached=cache is not None)
     tokenizer = load_tokenizer()
     with scratch("grpo") as folder:
@@ -133,7 +130,7 @@ def train(
             disable_tqdm=True,
         )
         try:
-            example = loop.run(_example_output(databases["chinook"]))
+            example = Database(databases["chinook"], SQL_TIMEOUT).sql(EXAMPLE_QUERY)
             trainer = GRPOTrainer(
                 model=train_last_blocks(load_model(), TRAINED_LAYERS),
                 processing_class=tokenizer,
@@ -150,17 +147,8 @@ def train(
         finally:
             if cache is not None:
                 cache.close()
-            loop.close()
     gc.collect()  # the model, its optimizer and the environments, before the next run loads its own
     return run
-
-
-async def _example_output(databases: SQLiteSandboxes) -> str:
-    box = await databases.create()
-    try:
-        return str((await box.execute(ToolCall("sql", {"query": EXAMPLE_QUERY}))).output)
-    finally:
-        await box.close()
 
 
 def identical(runs: dict[str, Run]) -> bool:
@@ -174,7 +162,7 @@ def summary(runs: dict[str, Run], load: tuple[str, str]) -> dict[str, Any]:
     out["load_average"] = {"before": load[0], "after": load[1]}
     out["about"] = (
         f"TRL GRPOTrainer, SmolLM2-135M-Instruct on the CPU, {ROLLOUTS} rollouts per step, Chinook text-to-SQL "
-        f"questions, sql tool on SQLiteSandboxes; none: a fresh database copy per rollout; tvcache: the same "
+        f"questions, sql tool on an in-memory copy of the database; none: a fresh copy per rollout; tvcache: the same "
         f"environment through cached_environment"
     )
     return out

@@ -1,9 +1,14 @@
 """The TRL environment of the GRPO run, and its reward.
 
-`SQLEnvironment` is what a TRL user writes without tvcache: one tool, `sql(query)`, answered by a private copy of
-the row's database (a `SQLiteSandboxes` sandbox made at the rollout's first call, closed at the next `reset`).
-With tvcache the same class goes through `tvcache.integrations.trl.cached_environment`, which keeps its `sql`
-signature and docstring (the schema the model sees) and sends the calls to the same sandboxes through the cache.
+`SQLEnvironment` is what a TRL user writes without tvcache: one tool, `sql(query)`, answered by a private in-memory
+copy of the row's database (`Database`, made at the rollout's first statement). With tvcache the same class goes
+through `tvcache.integrations.trl.cached_environment`, which runs the same `sql` on the cache's misses, on a
+sandbox whose state is the environment's attributes; `Database` pickles as its content, so that state can be
+copied and snapshotted.
+
+`sql` answers as `SQLiteSandboxes` does (the same text table, `OK, n rows affected`, `Error: ...`), except that
+temporary tables, views, indexes and triggers are refused (`Error: not authorized`): they live in the connection,
+not in the database's content, so a copy would lose them.
 
 **Reward** (`Reward`), the published text-to-SQL scheme: -1 for a malformed tool call (the model's first turn did
 not close its code block, so no statement ran); else 1 when the rows of the last statement's result equal the
@@ -17,52 +22,78 @@ would overflow the completion's token budget.
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import threading
+import sqlite3
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
-from tvcache.calls import ToolCall
 from tvcache.integrations.trl import results
-from tvcache.sandboxes.base import Sandbox
-from tvcache.sandboxes.sqlite import SQLiteSandboxes
+from tvcache.sandboxes.sqlite import format_rows
 
-__all__ = ["BackgroundLoop", "Reward", "SQLEnvironment", "StepTally", "grade"]
+__all__ = ["Database", "Reward", "SQLEnvironment", "StepTally", "grade"]
 
-T = TypeVar("T")
+#: What a statement may not create: objects of the connection's temp schema, and other attached files.
+_REFUSED = {
+    sqlite3.SQLITE_CREATE_TEMP_INDEX,
+    sqlite3.SQLITE_CREATE_TEMP_TABLE,
+    sqlite3.SQLITE_CREATE_TEMP_TRIGGER,
+    sqlite3.SQLITE_CREATE_TEMP_VIEW,
+    sqlite3.SQLITE_ATTACH,
+    sqlite3.SQLITE_DETACH,
+}
 
 
-class BackgroundLoop:
-    """An event loop on a daemon thread, for the uncached environment's sandbox calls from TRL's thread."""
+class Database:
+    """A private in-memory copy of a SQLite file; pickles (and so copies) as its content."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="grpo-sandboxes", daemon=True).start()
+    def __init__(self, path: Path | str, timeout: float) -> None:
+        self.timeout = timeout
+        self._open()
+        source = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            source.backup(self._db)
+        finally:
+            source.close()
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+    def _open(self) -> None:
+        self._db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        self._db.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action in _REFUSED else sqlite3.SQLITE_OK)
 
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+    def __getstate__(self) -> tuple[float, bytes]:
+        return self.timeout, self._db.serialize()
+
+    def __setstate__(self, state: tuple[float, bytes]) -> None:
+        self.timeout, content = state
+        self._open()
+        self._db.deserialize(content)
+
+    def sql(self, query: str) -> str:
+        deadline = time.monotonic() + self.timeout
+        self._db.set_progress_handler(lambda: time.monotonic() > deadline, 1000)
+        try:
+            cursor = self._db.execute(query)
+            if cursor.description:
+                return format_rows(cursor)
+        except sqlite3.Error as exc:
+            return f"Error: {exc}"
+        n = cursor.rowcount
+        return "OK" if n < 0 else f"OK, {n} row{'' if n == 1 else 's'} affected"
 
 
 class SQLEnvironment:
     """A text-to-SQL rollout: the model queries its own copy of the row's database."""
 
-    def __init__(self, databases: Mapping[str, SQLiteSandboxes], loop: BackgroundLoop) -> None:
-        self._databases, self._loop = databases, loop
-        self._database = ""
-        self._box: Sandbox | None = None
-        self.outputs: list[str] = []  # this rollout's results, in order
-        self.tool_seconds = 0.0
+    def __init__(self, databases: dict[str, Path], timeout: float = 10.0) -> None:
+        self._databases, self._timeout = databases, timeout
+        self.reset(database="")
 
     def reset(self, **row: Any) -> None:
-        self._close()
         self._database = row["database"]
-        self.outputs = []
+        self._db: Database | None = None
+        self.outputs: list[str] = []  # this rollout's results, in order
         self.tool_seconds = 0.0
 
     def sql(self, query: str) -> str:
@@ -73,18 +104,12 @@ class SQLEnvironment:
         """
         start = time.perf_counter()
         try:
-            if self._box is None:
-                self._box = self._loop.run(self._databases[self._database].create())
-            outcome = self._loop.run(self._box.execute(ToolCall("sql", {"query": query})))
+            if self._db is None:
+                self._db = Database(self._databases[self._database], self._timeout)
+            self.outputs.append(self._db.sql(query))
         finally:
             self.tool_seconds += time.perf_counter() - start
-        self.outputs.append(str(outcome.output))
         return self.outputs[-1]
-
-    def _close(self) -> None:
-        box, self._box = self._box, None
-        if box is not None:
-            self._loop.run(box.close())
 
 
 def grade(outputs: list[str], run_gold: Callable[[], Any]) -> float:
