@@ -51,6 +51,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -91,277 +92,31 @@ class _Client(Protocol):
 
 
 class _Script:
-    def __init__(self, *parts: str):
-        self.source = "\n".join(parts)
+    """A Lua script of `redis_lua/` (package data), after the library files it uses (functions it calls)."""
+
+    def __init__(self, name: str, *libraries: str):
+        self.source = "\n".join(_lua(part) for part in (*libraries, name))
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
 
-# -- scripts -------------------------------------------------------------------------------------------------
+def _lua(name: str) -> str:
+    return (resources.files(__package__) / "redis_lua" / f"{name}.lua").read_text()
 
-_CLOCK = """
-local function clock()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
-"""
 
-_WAKE = """
-local function wake(waiters, list)
-  local n = tonumber(redis.call('GET', waiters) or '0')
-  if n > 0 then
-    redis.call('DEL', waiters)
-    for _ = 1, n do redis.call('LPUSH', list, '1') end
-    redis.call('EXPIRE', list, ARGV[#ARGV])
-  end
-end
-"""
+# -- scripts: each file says what it takes (KEYS, ARGV) and returns ---------------------------------------------
 
-# KEYS: entries, hits, claim. ARGV: field, claim milliseconds (0: do not claim), token.
-# Returns the entry (bytes), 1 (claimed), 0 (someone else holds the claim) or nil (a miss, not claiming).
-_LOOKUP = _Script("""
-local entry = redis.call('HGET', KEYS[1], ARGV[1])
-if entry then
-  redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
-  return entry
-end
-if ARGV[2] == '0' then return false end
-if redis.call('SET', KEYS[3], ARGV[3], 'NX', 'PX', ARGV[2]) then return 1 end
-return 0
-""")
-
-# KEYS: entries, claim, waiters. ARGV: field.
-# Returns the entry, nil when no claim is held (released or expired), else the claim's milliseconds left,
-# having registered the caller as a waiter to wake.
-_WAIT = _Script("""
-local entry = redis.call('HGET', KEYS[1], ARGV[1])
-if entry then return entry end
-local left = redis.call('PTTL', KEYS[2])
-if left < 0 then return false end
-redis.call('INCR', KEYS[3])
-redis.call('PEXPIRE', KEYS[3], left + 1000 * tonumber(ARGV[2]))
-return left
-""")
-
-# KEYS: entries, claim, waiters, wake. ARGV: field, entry, wake seconds.
-# Returns nil if `entry` was stored, else the entry that was there first. Ends the claim whoever holds it:
-# with an entry recorded, nobody needs to execute the call any more.
-_RECORD = _Script(
-    _WAKE,
-    """
-local stored = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1
-redis.call('DEL', KEYS[2])
-wake(KEYS[3], KEYS[4])
-if stored then return false end
-return redis.call('HGET', KEYS[1], ARGV[1])
-""",
-)
-
-# KEYS: claim, waiters, wake. ARGV: token, wake seconds.
-_RELEASE = _Script(
-    _WAKE,
-    """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  wake(KEYS[2], KEYS[3])
-end
-return 0
-""",
-)
-
-# KEYS: claim. ARGV: token, milliseconds.
-_REFRESH = _Script("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-""")
-
-# The snapshot scripts take KEYS[1] = the scope's origins set and ARGV[1] = the scope's key prefix, and name
-# an origin's keys here, in one place. Those names carry the scope's hash tag, so they live in KEYS[1]'s
-# slot: Redis Cluster lets a script use undeclared keys of the slot it runs in.
-_SNAPSHOT_KEYS = """
-local function keys_of(origin)
-  local p = ARGV[1]
-  return p .. 'snap:' .. origin, p .. 'parent:' .. origin, p .. 'used:' .. origin, p .. 'lease:' .. origin
-end
-
-local function leased_nodes(lease, now)
-  local nodes = {}
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', lease, string.format('(%.17g', now), '+inf')) do
-    nodes[string.sub(m, 1, 16)] = true
-  end
-  return nodes
-end
-
--- Rows of {origin, node, snapshot id, parent or '', last used, leased 0/1}, appended to `out`.
-local function records(origin, now, out)
-  local snap, parent, used, lease = keys_of(origin)
-  local leased = leased_nodes(lease, now)
-  local ranked = redis.call('ZRANGE', used, 0, -1, 'WITHSCORES')
-  for i = 1, #ranked, 2 do
-    local node = ranked[i]
-    out[#out + 1] = {
-      origin, node, redis.call('HGET', snap, node), redis.call('HGET', parent, node) or '', ranked[i + 1],
-      leased[node] and 1 or 0,
-    }
-  end
-  return out
-end
-"""
-
-# ARGV: prefix, origin, ttl seconds, nonce, path nodes (root first). Returns {node, snapshot id} or nil.
-_LEASE = _Script(
-    _CLOCK,
-    _SNAPSHOT_KEYS,
-    """
-local snap, _, used, lease = keys_of(ARGV[2])
-for i = #ARGV, 5, -1 do
-  local node = ARGV[i]
-  local id = redis.call('HGET', snap, node)
-  if id then
-    local now = clock()
-    redis.call('ZREMRANGEBYSCORE', lease, '-inf', now)
-    redis.call('ZADD', lease, now + tonumber(ARGV[3]), node .. ARGV[4])
-    redis.call('ZADD', used, now, node)
-    return {node, id}
-  end
-end
-return false
-""",
-)
-
-# ARGV: prefix, origin, lease member.
-_UNLEASE = _Script(
-    _SNAPSHOT_KEYS,
-    """
-local _, _, _, lease = keys_of(ARGV[2])
-redis.call('ZREM', lease, ARGV[3])
-return 0
-""",
-)
-
-# ARGV: prefix, origin, budget, snapshot id, path nodes (root first; the snapshot is at the last).
-# Returns the snapshot ids to delete. Eviction follows tvcache.stores.eviction.choose_evictions: never a leased one,
-# leaves before inner snapshots, least recently used first, the one just added last.
-_ADD_SNAPSHOT = _Script(
-    _CLOCK,
-    _SNAPSHOT_KEYS,
-    """
-local origin, budget, id, node = ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[#ARGV]
-local snap, parent, used, lease = keys_of(origin)
-if redis.call('HEXISTS', snap, node) == 1 then return {id} end
-local above = false
-for i = #ARGV - 1, 5, -1 do
-  if redis.call('HEXISTS', snap, ARGV[i]) == 1 then above = ARGV[i] break end
-end
-local now = clock()
-redis.call('HSET', snap, node, id)
-if above then redis.call('HSET', parent, node, above) end
-redis.call('ZADD', used, now, node)
-redis.call('SADD', KEYS[1], origin)
-local excess = redis.call('HLEN', snap) - budget
-if excess <= 0 then return {} end
-
-redis.call('ZREMRANGEBYSCORE', lease, '-inf', now)
-local leased = leased_nodes(lease, now)
-local inner = {}
-for _, p in ipairs(redis.call('HVALS', parent)) do inner[p] = true end
-local lru = redis.call('ZRANGE', used, 0, -1)
-local doomed = {}
-local function pick(want_inner)
-  for _, n in ipairs(lru) do
-    if #doomed < excess and n ~= node and not leased[n] and (inner[n] == true) == want_inner then
-      doomed[#doomed + 1] = n
-    end
-  end
-end
-pick(false)
-pick(true)
-if #doomed < excess and not leased[node] then doomed[#doomed + 1] = node end
-
-local ids = {}
-for _, n in ipairs(doomed) do
-  ids[#ids + 1] = redis.call('HGET', snap, n)
-  redis.call('HDEL', snap, n)
-  redis.call('HDEL', parent, n)
-  redis.call('ZREM', used, n)
-end
-if redis.call('HLEN', snap) == 0 then redis.call('SREM', KEYS[1], origin) end
-return ids
-""",
-)
-
-# ARGV: prefix, origin, node, snapshot id. Forgets the snapshot and any lease on it.
-_DROP_SNAPSHOT = _Script(
-    _SNAPSHOT_KEYS,
-    """
-local origin, node = ARGV[2], ARGV[3]
-local snap, parent, used, lease = keys_of(origin)
-if redis.call('HGET', snap, node) ~= ARGV[4] then return 0 end
-redis.call('HDEL', snap, node)
-redis.call('HDEL', parent, node)
-redis.call('ZREM', used, node)
-for _, m in ipairs(redis.call('ZRANGE', lease, 0, -1)) do
-  if string.sub(m, 1, 16) == node then redis.call('ZREM', lease, m) end
-end
-if redis.call('HLEN', snap) == 0 then redis.call('SREM', KEYS[1], origin) end
-return 1
-""",
-)
-
-# ARGV: prefix, and an origin (else all of them). Returns record rows.
-_SNAPSHOTS = _Script(
-    _CLOCK,
-    _SNAPSHOT_KEYS,
-    """
-local origins = ARGV[2] and {ARGV[2]} or redis.call('SMEMBERS', KEYS[1])
-local now, out = clock(), {}
-for _, origin in ipairs(origins) do records(origin, now, out) end
-return out
-""",
-)
-
-# KEYS: origins, entries, hits. ARGV: prefix. Deletes the scope's graph (claims and wake lists expire).
-_FORGET = _Script(
-    _SNAPSHOT_KEYS,
-    """
-for _, origin in ipairs(redis.call('SMEMBERS', KEYS[1])) do redis.call('DEL', keys_of(origin)) end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-return 0
-""",
-)
-
-# KEYS: origins, entries, hits. ARGV: prefix, limit.
-# Returns {truncated 0/1, rows of {field, entry, hits}, snapshot record rows}.
-_EXPORT = _Script(
-    _CLOCK,
-    _SNAPSHOT_KEYS,
-    """
-local limit = tonumber(ARGV[2])
-local rows, seen, cursor = {}, {}, '0'
-repeat
-  local page = redis.call('HSCAN', KEYS[2], cursor, 'COUNT', 1000)
-  cursor = page[1]
-  local items = page[2]
-  for i = 1, #items, 2 do
-    local field = items[i]
-    if #rows <= limit and not seen[field] then
-      seen[field] = true
-      rows[#rows + 1] = {field, items[i + 1], redis.call('HGET', KEYS[3], field) or '0'}
-    end
-  end
-until cursor == '0' or #rows > limit
-local truncated = 0
-if #rows > limit then
-  truncated = 1
-  rows[#rows] = nil
-end
-local snapshots, now = {}, clock()
-for _, origin in ipairs(redis.call('SMEMBERS', KEYS[1])) do records(origin, now, snapshots) end
-return {truncated, rows, snapshots}
-""",
-)
+_LOOKUP = _Script("lookup")
+_WAIT = _Script("wait")
+_RECORD = _Script("record", "wake")
+_RELEASE = _Script("release", "wake")
+_REFRESH = _Script("refresh")
+_LEASE = _Script("lease", "clock", "snapshot_keys")
+_UNLEASE = _Script("unlease", "snapshot_keys")
+_ADD_SNAPSHOT = _Script("add_snapshot", "clock", "snapshot_keys")
+_DROP_SNAPSHOT = _Script("drop_snapshot", "snapshot_keys")
+_SNAPSHOTS = _Script("snapshots", "clock", "snapshot_keys")
+_FORGET = _Script("forget", "snapshot_keys")
+_EXPORT = _Script("export", "clock", "snapshot_keys")
 
 
 # -- the store -----------------------------------------------------------------------------------------------
