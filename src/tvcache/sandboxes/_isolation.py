@@ -10,11 +10,11 @@
 `SandboxRoot` per sandbox: the root's mounts, the observation of changes, the freezing into a snapshot.
 
 **Disk quota.** A sandbox writes only into a tmpfs of its own, `disk` bytes big (and one file per KiB of it):
-the overlay modes' upper dirs live on one such tmpfs per generation, whose contents `freeze` copies into a
-plain layer directory (O(size of the diff)) before it unmounts it; copy mode's private tree is a tmpfs of the
-copy's size plus `disk`. A full quota is an ENOSPC for the writer and `full()` here. Layers are not mounts of
-their own: the number of mounts stays a few per live sandbox, however many snapshots there are (every
-command's jail reads the mount table several times).
+the overlay modes' upper dirs, which hold everything the sandbox changed since the base (a restored sandbox's
+start with a copy of its snapshot's layer), or copy mode's private tree (a tmpfs of the copy's size plus `disk`).
+A full quota is an ENOSPC for the writer and `full()` here. Layers are plain directories, not mounts: the number
+of mounts stays a few per live sandbox, however many snapshots there are (every command's jail reads the mount
+table several times).
 
 Paths: a root's mounts live in its mount space (see _mounts), made there by `space.run(...)` with their own
 paths; this process reads and writes files (also inside `run`) through `space.view(path)`.
@@ -27,6 +27,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ._fdtree import OPEN_DIR, Walk, remove_tree
-from ._layers import LayerStore, copy_layer, is_empty, listing, merge_layers, relisted
+from ._layers import LayerStore, copy_layer, listing, merge_layers, relisted
 from ._layout import DEVICES, Layout, build_layout
 from ._mounts import HelperMounter, Mounter, MountSpace, PrivateMounter
 from ._rundir import mounts_below
@@ -53,12 +54,13 @@ class Snapshot:
     """A saved sandbox: its shell state and its files."""
 
     state: ShellState
-    stack: tuple[str, ...] = ()
-    """Overlay modes: the snapshot's layers, oldest first."""
+    layer: str | None = None
+    """Overlay modes: the layer holding the snapshot's upper dirs (None: nothing changed from the base)."""
     copy: Path | None = None
     """Copy mode: the snapshot's private tree."""
     size: int = 0
-    """Copy mode: the tree's bytes and files, which a sandbox restored from it gets beyond its quota."""
+    """Copy mode: the template's bytes and files, which every sandbox gets beyond its quota (a snapshot's copy
+    counts against the quota, as its files did in the sandbox it was taken from)."""
     files: int = 0
 
 
@@ -75,12 +77,10 @@ class Isolation(ABC):
         system: str | None,
         *,
         disk: int | None,
-        max_layers: int,
     ):
         self.run = run
         self.mounter = mounter
         self.disk = disk
-        self.max_layers = max_layers
         self.layout: Layout = build_layout(
             self.mode, workspace, system, run / "skeleton", opaque_xattr=mounter.opaque_xattr
         )
@@ -203,10 +203,10 @@ class OverlayIsolation(Isolation):
         return LayeredRoot(self, box)
 
     def acquire(self, snap: Snapshot) -> None:
-        self.layers.acquire(snap.stack)
+        self.layers.acquire(_held(snap.layer))
 
     def release(self, snap: Snapshot) -> list[Path]:
-        return self.layers.release(snap.stack)
+        return self.layers.release(_held(snap.layer))
 
 
 class UsernsIsolation(OverlayIsolation):
@@ -227,19 +227,26 @@ class UsernsIsolation(OverlayIsolation):
 
 
 class LayeredRoot(SandboxRoot):
-    """Overlays of the snapshot's layers and the layout's lower dirs, under upper dirs on the sandbox's tmpfs
-    (`g<generation>`, renewed by each freeze)."""
+    """Overlays of the layout's lower dirs under upper dirs on the sandbox's own tmpfs.
+
+    A snapshot is a layer: a copy of the upper dirs, taken while the sandbox goes on in them. A sandbox restored
+    from it starts with a copy of the layer in its upper dirs. Either way every file stays in the layer where the
+    uncached history put it, which commands can see: overlayfs shows a directory's size, link count and times
+    from its upper dir (tmpfs counts a directory's entries in its size) or, for a directory only in a lower one,
+    from there, and a merged directory has link count 1. Snapshot layers stacked as lower dirs under an empty
+    upper would change all of that (`ls -la` printed other sizes after a snapshot than uncached)."""
 
     iso: OverlayIsolation
 
     def __init__(self, isolation: OverlayIsolation, box: Path):
         super().__init__(isolation, box)
-        self.stack: tuple[str, ...] = ()
-        self._gen = 0
+        self.layer: str | None = None
+        """The layer the upper dirs hold the same files as (since the last restore or snapshot); None: empty."""
+        self._dirty = False
         self._listings: list[str | None] = [None] * len(isolation.layout.overlays)
 
     def _scratch_mount(self) -> str:
-        return str(self.box / f"g{self._gen}")
+        return str(self.box / "scratch")
 
     def _mounts(self) -> list[str]:
         return [self.path, self._scratch_mount()]
@@ -251,104 +258,93 @@ class LayeredRoot(SandboxRoot):
         return f"{self.scratch()}/u{k}"
 
     async def _start(self, snap: Snapshot) -> None:
-        self.iso.layers.acquire(snap.stack)
-        self.stack = snap.stack
+        self.layer = snap.layer
+        self.iso.layers.acquire(_held(self.layer))
         await self.space.run(self._new_scratch)
+        if self.layer is not None:
+            await asyncio.to_thread(self._fill, self.layer)
         await self.space.run(self._mount)
+        # Listed once mounted (mounting sets xattrs on the upper dirs): changes count from here, also a file made
+        # and deleted by one command, which leaves an upper dir empty but its times changed.
+        await asyncio.to_thread(self._list_uppers)
 
     def _new_scratch(self) -> None:
-        """A fresh tmpfs for this generation's (empty) upper and work dirs."""
+        """The tmpfs of the (empty) upper and work dirs."""
         scratch, view = self._scratch_mount(), self.space.view
         os.mkdir(view(scratch))
         self.space.tmpfs(scratch, size=self.iso.disk, inodes=self.iso.inodes)
-        for k in range(len(self.iso.layout.overlays)):
+        for k, mnt in enumerate(self.iso.layout.overlays):
             os.mkdir(view(f"{scratch}/u{k}"))
             os.mkdir(view(f"{scratch}/w{k}"))
-        self._listings = [None] * len(self.iso.layout.overlays)
+            _like_lower_root(view(f"{scratch}/u{k}"), mnt.lowers[-1])
+
+    def _fill(self, layer: str) -> None:
+        """Copy the layer into the upper dirs (not mounted yet)."""
+        for k in range(len(self.iso.layout.overlays)):
+            if (frozen := self.iso.layers.dir(layer, k)).is_dir():
+                os.rmdir(self._upper(k))
+                copy_layer(str(frozen), self._upper(k))
+
+    def _list_uppers(self) -> None:
+        for k in range(len(self._listings)):
+            self._listings[k] = listing(self._upper(k))
 
     def _mount(self) -> None:
-        """The overlays of the stack under this generation's upper dirs, and the layout's binds."""
-        layers, scratch = self.iso.layers, self._scratch_mount()
+        """The overlays of the layout's lower dirs under the upper dirs, and the layout's binds."""
+        scratch = self._scratch_mount()
         for k, mnt in enumerate(self.iso.layout.overlays):
-            frozen = [str(layers.dir(lid, k)) for lid in reversed(self.stack)]
-            lowers = [p for p in frozen if os.path.isdir(p)] + list(reversed(mnt.lowers))
             target = self.path + (mnt.point if mnt.point != "/" else "")
-            self.space.overlay(target, lowers, f"{scratch}/u{k}", f"{scratch}/w{k}")
+            self.space.overlay(target, list(reversed(mnt.lowers)), f"{scratch}/u{k}", f"{scratch}/w{k}")
         self.iso.mount_binds(self.space, self.path)
-
-    def _unmount(self) -> None:
-        self.space.detach(self.path)
 
     async def changed(self) -> bool:
         changed = False
         for k in range(len(self._listings)):
             moved, self._listings[k] = await relisted(self._upper(k), self._listings[k])
             changed = changed or moved
+        self._dirty = self._dirty or changed
         return changed
 
     async def freeze(self, state: ShellState) -> Snapshot:
-        dirty = [k for k in range(len(self._listings)) if not is_empty(self._upper(k))]
-        if dirty:
-            await self._freeze(dirty)
-        return Snapshot(state, self.stack)
-
-    async def _freeze(self, dirty: list[int]) -> None:
-        """Unmount, copy the changed upper dirs into a new layer, remount on a fresh tmpfs.
+        """Copy the upper dirs into a new layer, unless nothing changed since the last restore or snapshot.
 
         No command is running (the caller holds the sandbox) and each one's PID namespace died with it, so
-        nothing can write into the upper dirs while they become a layer. If the copy fails, the sandbox goes
-        on on its own upper dirs, as if no snapshot had been asked for."""
-        layers, space = self.iso.layers, self.space
-        await space.run(self._unmount)
-        layer_id, path = layers.new()
-        layers.acquire([layer_id])
-        try:
-            for k in dirty:
-                await asyncio.to_thread(copy_layer, self._upper(k), str(path / str(k)))
-        except BaseException:
-            await self.iso.remove(layers.release([layer_id]))
-            await space.run(self._mount)
-            raise
-        self.stack = (*self.stack, layer_id)
-        old = self._scratch_mount()
-        self._gen += 1
-        try:
-            if len(self.stack) > self.iso.max_layers:
-                await self._merge()
-        finally:
-
-            def remount() -> None:
-                self._new_scratch()
-                self._mount()
-                space.detach(old)
-                os.rmdir(space.view(old))
-
-            await space.run(remount)
-
-    async def _merge(self) -> None:
-        """Flatten this sandbox's whole stack into one layer (the old layers live on for their snapshots)."""
-        layers = self.iso.layers
-        layer_id, path = layers.new()
-        xattr = self.iso.mounter.opaque_xattr
-
-        def merge_all() -> None:
-            for k, mnt in enumerate(self.iso.layout.overlays):
-                parts = [str(layers.dir(lid, k)) for lid in reversed(self.stack)]
-                parts = [p for p in parts if os.path.isdir(p)]
-                if parts:
-                    merge_layers(parts, list(mnt.lowers), str(path / str(k)), xattr)
-
-        await asyncio.to_thread(merge_all)
-        layers.acquire([layer_id])
-        dead = layers.release(self.stack)
-        self.stack = (layer_id,)
-        await self.iso.remove(dead)
+        nothing writes into the upper dirs while they are copied. If the copy fails, the sandbox goes on as if
+        no snapshot had been asked for."""
+        if self._dirty:
+            layers = self.iso.layers
+            layer_id, path = layers.new()
+            layers.acquire([layer_id])
+            try:
+                for k in range(len(self._listings)):  # an empty one too: its root's times may have changed
+                    await asyncio.to_thread(copy_layer, self._upper(k), str(path / str(k)))
+            except BaseException:
+                await self.iso.remove(layers.release([layer_id]))
+                raise
+            dead = layers.release(_held(self.layer))
+            self.layer, self._dirty = layer_id, False
+            await self.iso.remove(dead)
+        return Snapshot(state, self.layer)
 
     async def remove(self) -> None:
         await super().remove()
-        dead = self.iso.layers.release(self.stack)
-        self.stack = ()
+        dead = self.iso.layers.release(_held(self.layer))
+        self.layer = None
         await self.iso.remove(dead)
+
+
+def _like_lower_root(upper: str, lower: str) -> None:
+    """Give an upper dir the mode, owner and times of the topmost lower dir's root: overlayfs shows the mount's
+    root with the upper dir's, which would otherwise be whenever and however this sandbox was made."""
+    st = os.stat(lower)
+    with contextlib.suppress(OSError):  # userns mode without root: the helper's own user owns everything
+        os.chown(upper, st.st_uid, st.st_gid)
+    os.chmod(upper, stat.S_IMODE(st.st_mode))
+    os.utime(upper, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _held(layer: str | None) -> list[str]:
+    return [] if layer is None else [layer]
 
 
 # -- copy mode -------------------------------------------------------------------------------------------------
@@ -391,12 +387,17 @@ class CopyIsolation(Isolation):
 
 
 class CopiedRoot(SandboxRoot):
-    """A private copy of the snapshot's tree on a tmpfs of its own, bound as the root."""
+    """A private copy of the snapshot's tree on a tmpfs of its own, bound as the root.
+
+    Copies are made by `copy_layer`, like the overlay modes' layers: it keeps each directory's listing order and
+    the access times of what it reads, which `cp -a` does not."""
 
     def __init__(self, isolation: Isolation, box: Path):
         super().__init__(isolation, box)
         self._data = str(box / "data")
+        self._tree = f"{self._data}/tree"
         self._listing: str | None = None
+        self._base: Snapshot | None = None
 
     def _mounts(self) -> list[str]:
         return [self.path, self._data]
@@ -406,6 +407,7 @@ class CopiedRoot(SandboxRoot):
 
     async def _start(self, snap: Snapshot) -> None:
         assert snap.copy is not None
+        self._base = snap
         disk, inodes = self.iso.disk, self.iso.inodes
 
         def mount() -> None:
@@ -415,15 +417,20 @@ class CopiedRoot(SandboxRoot):
                 size=None if disk is None else snap.size + disk,
                 inodes=None if inodes is None else snap.files + inodes,
             )
-            self.space.bind(self._data, self.path, readonly=False)
 
         await self.space.run(mount)
-        await copy_tree(str(snap.copy), self.scratch())
-        await self.space.run(lambda: self.iso.mount_binds(self.space, self.path))
-        self._listing = await asyncio.to_thread(listing, self.scratch())
+        tree = self.space.view(self._tree)
+        await asyncio.to_thread(copy_layer, str(snap.copy), tree)
+        self._listing = await asyncio.to_thread(listing, tree)
+
+        def bind() -> None:
+            self.space.bind(self._tree, self.path, readonly=False)
+            self.iso.mount_binds(self.space, self.path)
+
+        await self.space.run(bind)
 
     async def changed(self) -> bool:
-        now = await asyncio.to_thread(listing, self.scratch())
+        now = await asyncio.to_thread(listing, self.space.view(self._tree))
         changed = now != self._listing
         self._listing = now
         return changed
@@ -432,12 +439,13 @@ class CopiedRoot(SandboxRoot):
         dest = self.iso.run / "copies" / secrets.token_hex(6)
         dest.parent.mkdir(exist_ok=True)
         try:
-            await copy_tree(self.scratch(), str(dest))
+            await asyncio.to_thread(copy_layer, self.space.view(self._tree), str(dest))
         except BaseException:
             await self.iso.remove([dest])
             raise
-        size, files = await asyncio.to_thread(_usage, str(dest))
-        return Snapshot(state, copy=dest, size=size, files=files)
+        # The same quota as this sandbox's, of which the copy uses part, as the sandbox did.
+        assert self._base is not None
+        return Snapshot(state, copy=dest, size=self._base.size, files=self._base.files)
 
 
 def _remove_all(paths: Sequence[Path]) -> None:
@@ -505,7 +513,6 @@ def choose(
     system: str | None,
     *,
     disk: int | None,
-    max_layers: int,
 ) -> Isolation:
     """The first isolation mode that works here, in the order overlay, userns, copy (or the one asked for)."""
     if isolation not in ("auto", *_MODES):
@@ -521,7 +528,7 @@ def choose(
                 raise SandboxError("needs root (CAP_SYS_ADMIN)")
             mounter = PrivateMounter() if mode != "userns" and os.geteuid() == 0 else HelperMounter()
             mounter.probe(run / f"probe-{mode}", overlay=mode != "copy")
-            return _MODES[mode](run, mounter, workspace, system, disk=disk, max_layers=max_layers)
+            return _MODES[mode](run, mounter, workspace, system, disk=disk)
         except (OSError, SandboxError) as exc:
             if mounter is not None:
                 mounter.close()

@@ -1,8 +1,8 @@
 """Read-only layers of frozen overlay upper dirs: reference counts, merging, listings.
 
 A layer is a directory `<root>/<id>/` with one subdirectory per overlay mount of the sandbox layout (named by
-the mount's index) for each mount that had changed when the layer was frozen. A stack is a tuple of layer ids,
-oldest first. A layer lives as long as some snapshot or live sandbox holds a reference to it.
+the mount's index): a copy of a sandbox's upper dirs, which restores copy back (see _isolation). A layer lives as
+long as some snapshot or live sandbox holds a reference to it. `merge_layers` flattens an image's layers.
 
 Layers hold what overlayfs puts into an upper dir: files, directories, whiteouts (character devices 0/0)
 and opaque directories (an `overlay.opaque` xattr). Mounts never create redirect or metacopy xattrs (see
@@ -135,12 +135,13 @@ class Ref(NamedTuple):
 def _copy_metadata(src: Ref, st: os.stat_result, dest: Ref, *, overlay_xattrs: bool = False) -> None:
     """Give `dest` the xattrs, owner, mode and times of `src` (whose lstat is `st`); `dest` is this process's own
     new entry, `src` is never followed if it is a symlink."""
+    # Owner first: a chown clears set-uid bits and `security.capability`, which the mode and xattrs then restore.
+    os.chown(dest.name, st.st_uid, st.st_gid, dir_fd=dest.dir_fd, follow_symlinks=False)
     for name in os.listxattr(src.path, follow_symlinks=False):
         if ".overlay." in name and not overlay_xattrs:
             continue  # overlayfs bookkeeping (origin, impure, opaque) belongs to the source layer
         with contextlib.suppress(OSError):  # e.g. security.* xattrs this process may not set
             os.setxattr(dest.path, name, os.getxattr(src.path, name, follow_symlinks=False), follow_symlinks=False)
-    os.chown(dest.name, st.st_uid, st.st_gid, dir_fd=dest.dir_fd, follow_symlinks=False)
     if not stat.S_ISLNK(st.st_mode):
         os.chmod(dest.name, stat.S_IMODE(st.st_mode), dir_fd=dest.dir_fd)
     os.utime(dest.name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=dest.dir_fd, follow_symlinks=False)
@@ -157,8 +158,12 @@ class _Links:
 
 def _copy_file(src: Ref, st: os.stat_result, dest: Ref) -> None:
     """Copy the regular file `src` (lstat `st`), opened without following a symlink, and only if it is still the
-    file that was stat'ed."""
-    fd = os.open(src.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src.dir_fd)
+    file that was stat'ed. Its holes stay holes (`du` and `df` see the same), and its access time stays as it was."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(src.name, flags | os.O_NOATIME, dir_fd=src.dir_fd)
+    except PermissionError:  # O_NOATIME needs the file's owner or CAP_FOWNER
+        fd = os.open(src.name, flags, dir_fd=src.dir_fd)
     try:
         now = os.fstat(fd)
         if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(now.st_mode):
@@ -166,12 +171,30 @@ def _copy_file(src: Ref, st: os.stat_result, dest: Ref) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         out = os.open(dest.name, flags, 0o600, dir_fd=dest.dir_fd)
         try:
-            while os.sendfile(out, fd, None, 1 << 30) > 0:
-                pass
+            _copy_data(fd, out, now.st_size)
         finally:
             os.close(out)
     finally:
         os.close(fd)
+
+
+def _copy_data(src_fd: int, dest_fd: int, size: int) -> None:
+    """Copy a file's bytes, only its data extents (SEEK_DATA), so that a sparse file's copy is as sparse."""
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(src_fd, offset, os.SEEK_DATA)
+        except OSError:  # ENXIO: only a hole is left
+            break
+        end = os.lseek(src_fd, start, os.SEEK_HOLE)
+        os.lseek(dest_fd, start, os.SEEK_SET)
+        while start < end:
+            copied = os.sendfile(dest_fd, src_fd, start, end - start)  # layers and upper dirs: two filesystems
+            if copied == 0:
+                break
+            start += copied
+        offset = end
+    os.ftruncate(dest_fd, size)
 
 
 def _copy_entry(
@@ -188,10 +211,11 @@ def _copy_entry(
         _copy_file(src, st, dest)
     elif stat.S_ISLNK(mode):
         os.symlink(os.readlink(src.name, dir_fd=src.dir_fd), dest.name, dir_fd=dest.dir_fd)
-    elif is_whiteout(st) or stat.S_ISFIFO(mode):
+    elif is_whiteout(st) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        # A socket file is only a name (`ls -la` shows it) without a listener, as after a reboot.
         os.mknod(dest.name, mode, st.st_rdev, dir_fd=dest.dir_fd)
     else:
-        return  # sockets are not state worth keeping; a device node is not a sandbox's to keep
+        return  # a device node is not a sandbox's to keep
     _copy_metadata(src, st, dest, overlay_xattrs=overlay_xattrs)
     if st.st_nlink > 1:
         links.first[key] = rel
@@ -235,12 +259,9 @@ def copy_layer(src: str, dest: str) -> None:
         dest_fd = os.open(dest, OPEN_DIR)
         try:
             _LayerCopy(src_fd, dest_fd).run()
-            _copy_metadata(
-                Ref(None, f"/proc/self/fd/{src_fd}"),
-                os.fstat(src_fd),
-                Ref(None, f"/proc/self/fd/{dest_fd}"),
-                overlay_xattrs=True,
-            )
+            # "." of each descriptor: the /proc/self/fd link itself is a symlink, which calls that do not follow
+            # one would change instead of the directory (its times, owner and xattrs were lost).
+            _copy_metadata(Ref(src_fd, "."), os.fstat(src_fd), Ref(dest_fd, "."), overlay_xattrs=True)
         finally:
             os.close(dest_fd)
     finally:

@@ -8,11 +8,11 @@
 
 **Filesystem.** A sandbox's root is overlayfs: read-only lower layers (the system root, by default the host's
 `/`, and the workspace directories at their mount points) under private upper dirs on a tmpfs of the
-sandbox's own (its disk quota). `snapshot()` unmounts, copies the upper dirs into a new layer (O(size of the
-diff)), and remounts on a fresh tmpfs, so the sandbox keeps going on top of its own snapshot. `restore()` mounts
-a fresh upper over a snapshot's layers. Layers are reference-counted (snapshots and live sandboxes hold them)
-and unmounted when unused; a stack that grows past `max_layers` is merged into one layer, far below
-overlayfs's limit of 500. See _isolation for the three isolation modes.
+sandbox's own (its disk quota). `snapshot()` copies the upper dirs into a new read-only layer (O(size of the
+diff since the base)) and the sandbox goes on in them; `restore()` copies a snapshot's layer into the upper dirs
+of a fresh tmpfs. Files thus stay in the layer where the uncached history put them, which commands can see (see
+_isolation). Layers are reference-counted (snapshots and live sandboxes hold them). See _isolation for the three
+isolation modes.
 
 **Tools.** Every call returns a JSON-able dict:
 
@@ -205,9 +205,8 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
     - `timeout`: seconds per tool call; `max_output`: bytes of output kept per call.
     - `cwd`: the shell's initial directory (default: the first workspace mount point); `env`: its initial
       exported environment (default: a minimal PATH, HOME, LANG and TERM).
-    - `max_layers`: snapshot layers a stack may have before they are merged into one.
-    - `memory`: bytes a sandbox may use (default 2 GiB): its processes, and the files it wrote since its last
-      snapshot, which live in RAM (a cgroup; an OOM kill is a failed call).
+    - `memory`: bytes a sandbox may use (default 2 GiB): its processes, and the files it wrote itself, which live
+      in RAM (a cgroup; an OOM kill is a failed call).
     - `disk`: bytes of files a sandbox may write (default 1 GiB; one file per KiB of it): the size of the
       tmpfs its upper dirs live on. A call that ends with it full is a failed call.
     - `max_processes`: processes and threads a sandbox may run at once (default 1,024; a cgroup; a refused
@@ -234,7 +233,6 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         max_output: int = 1 << 16,
-        max_layers: int = 64,
         max_processes: int | None = 1024,
         memory: int | None = 2 * GiB,
         disk: int | None = 1 * GiB,
@@ -243,8 +241,6 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not (isinstance(max_output, int) and max_output >= 64):
             raise ValueError(f"max_output must be an int >= 64, got {max_output!r}")
-        if not (isinstance(max_layers, int) and 2 <= max_layers <= 400):
-            raise ValueError(f"max_layers must be an int between 2 and 400, got {max_layers!r}")
         _check_size("max_processes", max_processes, 8)
         _check_size("memory", memory, 16 << 20)
         _check_size("disk", disk, 1 << 20)
@@ -255,7 +251,6 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         self.network = network
         self.timeout = float(timeout)
         self.max_output = max_output
-        self.max_layers = max_layers
         self.max_processes = max_processes
         self.memory = memory
         self.disk = disk
@@ -271,9 +266,7 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         self._run = RunDir(tmp_path.resolve())
         self._cleanup_with(_cleanup, self._run, None)
         try:
-            iso = _isolation.choose(
-                isolation, self._run.path, self.workspace, self.system, disk=disk, max_layers=max_layers
-            )
+            iso = _isolation.choose(isolation, self._run.path, self.workspace, self.system, disk=disk)
             self._cleanup_with(_cleanup, self._run, iso.mounter)
             if iso.mode != "copy":
                 self._check_tmp(iso, tmp_path.resolve())
@@ -437,10 +430,6 @@ class WorkspaceSandbox(ManagedSandbox):
     def root(self) -> str:
         """The sandbox's root as this process sees it (read-only use, e.g. in tests)."""
         return self._fs.view
-
-    @property
-    def _stack(self) -> tuple[str, ...]:
-        return getattr(self._fs, "stack", ())
 
     # -- tools -------------------------------------------------------------------------------------------
 
