@@ -211,11 +211,10 @@ def _copy_entry(
         _copy_file(src, st, dest)
     elif stat.S_ISLNK(mode):
         os.symlink(os.readlink(src.name, dir_fd=src.dir_fd), dest.name, dir_fd=dest.dir_fd)
-    elif is_whiteout(st) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-        # A socket file is only a name (`ls -la` shows it) without a listener, as after a reboot.
-        os.mknod(dest.name, mode, st.st_rdev, dir_fd=dest.dir_fd)
     else:
-        return  # a device node is not a sandbox's to keep
+        # Whiteouts, FIFOs, sockets (a name `ls -la` shows, without a listener, as after a reboot) and device nodes
+        # (a base's, in copy mode: a sandbox cannot make one, and every mount is nodev).
+        os.mknod(dest.name, mode, st.st_rdev, dir_fd=dest.dir_fd)
     _copy_metadata(src, st, dest, overlay_xattrs=overlay_xattrs)
     if st.st_nlink > 1:
         links.first[key] = rel
