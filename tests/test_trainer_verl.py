@@ -22,12 +22,17 @@ import pytest
 
 pytest.importorskip("verl", reason="needs veRL (pip install 'tvcache[verl]')")
 
+import tvcache
+from tvcache.calls import ToolCall
+from tvcache.integrations import process_sandboxes
 from tvcache.integrations.verl import AGENT_NAME, row_task
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))  # veRL's hydra imports the example's agent loop by module name, as workers do
 
 import verl_text2sql as example  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import _agent_loop_registry  # noqa: E402
 from verl.tools.function_tool import load_function_tools_from_path  # noqa: E402
 
 
@@ -109,6 +114,63 @@ def test_cached_loops_answer_as_verl_alone_byte_for_byte(setup: Any, tokenizer: 
     assert calls == [1, 2, 1, 0, 0, 0, 0, 0, 2, 2, 3, 1, 1, 1]
     assert sum(o.extra_fields["tvcache_hits"] for o in first) > 0  # plans repeat earlier plans' calls
     assert [o.extra_fields["tvcache_hits"] for o in again] == calls  # the second epoch hits everywhere
+
+
+def writable_sandboxes(row: Any) -> tvcache.Sandboxes:
+    """The `sandboxes:` function of a loop whose tool keeps its state: a writable copy of Chinook per rollout."""
+    path = example.chinook()
+    return process_sandboxes(("verl-test-sqlite", str(path)), lambda: tvcache.SQLiteSandboxes(path, timeout=10))
+
+
+VIEW = "CREATE TEMP VIEW long AS SELECT * FROM Track WHERE Milliseconds > 600000"
+WRITING: list[Any] = [
+    [[sql("DELETE FROM Track WHERE TrackId > 10")], [sql(COUNT)]],  # its own database: 10
+    [[sql(COUNT)]],
+    [
+        [sql("CREATE TEMP VIEW long AS SELECT * FROM Track WHERE Milliseconds > 600000")],
+        [sql("SELECT count(*) FROM long")],
+    ],
+    [[sql("CREATE TEMP VIEW long AS SELECT * FROM Track WHERE Milliseconds > 600000")], [sql("SELECT 1")]],
+    [[sql(COUNT)]],  # plan 1 again
+    [[("sql", {"query": 5})], [sql(COUNT)]],  # a bad call: refused, and the rollout goes on
+]
+
+
+def test_sandboxes_mode_answers_as_uncached_execution(setup: Any, tokenizer: Any) -> None:
+    """A tool whose state lives in a tvcache sandbox (`sandboxes:`): every answer the model sees equals the plan's
+    calls executed uncached in a fresh sandbox, and repeated prefixes hit."""
+    config, tools = setup
+    name = "test_writable_sql_agent"
+    _agent_loop_registry[name] = OmegaConf.create(
+        {
+            "name": name,
+            "_target_": "tvcache.integrations.verl.CachedToolAgentLoop",
+            "sandboxes": f"{__name__}:writable_sandboxes",
+        }
+    )
+    row = example.rows()[0]
+
+    async def go() -> list[Any]:
+        server = example.ScriptedServer(tokenizer, WRITING)
+        outputs = []
+        for plan in WRITING:
+            server.queue.append((plan, ""))
+            outputs.append(await example.run_trajectory(config, server, tokenizer, tools, name, row))
+        return outputs
+
+    async def uncached(plan: list[Any]) -> list[str]:
+        async with tvcache.SQLiteSandboxes(example.chinook(), timeout=10) as boxes:
+            box = await boxes.create()
+            return [str((await box.execute(ToolCall(n, a))).output) for step in plan for n, a in step]
+
+    outputs = asyncio.run(go())
+    for output, plan in zip(outputs, WRITING, strict=True):
+        decoded = tokenizer.decode(output.response_ids)
+        for text in asyncio.run(uncached(plan)):
+            assert text in decoded, (plan, text)
+    assert "count(*)\n      10<" in tokenizer.decode(outputs[0].response_ids)  # the rollout's own writes count
+    # Plan 3 starts as plan 2 did; plan 4 repeats plan 1; plan 5's count after its refused call is plan 1's too.
+    assert [o.extra_fields["tvcache_hits"] for o in outputs] == [0, 0, 0, 1, 1, 1]
 
 
 def test_task_ids_come_from_the_stable_index_not_the_uid() -> None:
