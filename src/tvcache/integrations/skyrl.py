@@ -216,7 +216,7 @@ class Text2SQLSandboxes(ManagedSandboxes["_Text2SQLSandbox", None]):
             score = compute_score_single(completion, args["gold"], self.db_file)
             return Outcome(score, changed=False, error=time.monotonic() - start >= REWARD_TIMEOUT)
         return refusal(
-            f'the skyrl-sql sandbox has the tools sql {{"query": str}} and reward {{"predicted": str, "gold": str}}; '
+            'Error: the skyrl-sql sandbox has the tools sql {"query": str} and reward {"predicted": str, "gold": str}; '
             f"got {call.key[:200]}"
         )
 
