@@ -21,8 +21,8 @@ from tvcache import PythonSandboxes, Result, Tools
 from tvcache.sandboxes.base import Sandboxes
 from tvcache_bench import cli as replay_cli
 from tvcache_bench.data import workload_path
-from tvcache_bench.replay import ReplayOptions, percentile, replay, replay_strategies, schedule
-from tvcache_bench.report import print_table, write_charts, write_json
+from tvcache_bench.replay import PARTS, ReplayOptions, percentile, replay, replay_strategies, schedule
+from tvcache_bench.report import format_seconds, print_table, write_charts, write_json
 from tvcache_bench.strategies import NoCacheStrategy, Strategy, StrategyRollout
 from tvcache_bench.traces import Trace, TraceCall, write_traces
 from tvcache_bench.workload import Workload
@@ -346,7 +346,7 @@ def test_reports(tmp_path: Path) -> None:
     assert figures["strategies"]["none"]["executions"] == 2 * 2 * 3 * 5
     assert len(figures["strategies"]["tvcache"]["epoch_hit_rates"]) == 2
     charts = write_charts(result, tmp_path / "charts")
-    assert len(charts) == 3
+    assert len(charts) == 4
     for chart in charts:
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -430,6 +430,49 @@ def test_quick_reduced() -> None:
     assert strategies["tvcache"]["incorrect_hits"] == 0
     assert strategies["paper"]["incorrect_hits"] == 0
     assert strategies["naive"]["incorrect_hits"] > 0
+
+
+def test_where_the_time_goes_adds_up_on_a_real_replay(tmp_path: Path) -> None:
+    """The quick mix (SQLite databases) with rollouts in flight together, so tvcache waits on identical calls:
+    per strategy, every part of the breakdown was measured inside some call, so they add up to at most the
+    calls' time, and a part is there exactly when the work it times was done."""
+
+    async def run() -> Any:
+        workload = await quick.build("small")
+        try:
+            options = ReplayOptions(batch=2, epochs=2, concurrency=6, progress=False)
+            return await replay_strategies(workload, ["none", "paper", "tvcache"], options)
+        finally:
+            await workload.close()
+
+    result = asyncio.run(run())
+    write_json(result, tmp_path / "out.json")
+    rows = json.loads((tmp_path / "out.json").read_text())["strategies"]
+    for name, row in rows.items():
+        parts = row["time_breakdown"]
+        assert set(parts) == {*PARTS, "overhead"}
+        assert all(parts[p] >= 0 for p in PARTS)
+        measured = sum(parts[p] for p in PARTS)
+        assert measured <= row["total_tool_seconds"] * (1 + 1e-9), name  # inside the calls' time
+        assert parts["overhead"] == pytest.approx(row["total_tool_seconds"] - measured)
+        assert parts["executing"] > 0
+        for part, count in (("creating", "creates"), ("restoring", "restores"), ("replaying", "replays")):
+            assert (parts[part] > 0) == (row[count] > 0), (name, part)
+        assert (parts["snapshotting"] > 0) == (row["snapshots"] > 0), name
+    assert rows["none"]["time_breakdown"]["snapshotting"] == rows["none"]["time_breakdown"]["store"] == 0
+    tvcache = rows["tvcache"]
+    assert tvcache["stats"]["waits"] > 0 and tvcache["time_breakdown"]["waiting"] > 0
+    assert tvcache["time_breakdown"]["store"] > 0
+    out = io.StringIO()
+    print_table(result, Console(file=out, width=200))
+    table = out.getvalue().split("where the tool time goes")[1].split("reading the tables:")[0]
+    for name, row in rows.items():
+        line = next(line for line in table.splitlines() if line.startswith(f"│ {name} "))
+        cells = [c.strip() for c in line.strip("│ ").split("│")][1:]
+        seconds = [row["time_breakdown"][p] for p in (*PARTS, "overhead")]
+        assert cells == [format_seconds(s) if s else "-" for s in seconds]
+    charts = write_charts(result, tmp_path / "charts")
+    assert (tmp_path / "charts" / "quick-time-breakdown.png") in charts
 
 
 def test_synthetic_scale_reduced() -> None:

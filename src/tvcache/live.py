@@ -134,7 +134,8 @@ class LiveSandbox:
                 log.info("restore of snapshot %s deferred (%s); taking another route", lease.snapshot_id, exc)
                 break
             finally:
-                await self._ctx.tasks.cleanup(self._ctx.store.unlease(self._scope_key, lease.token))
+                with self._ctx.stats.timing("store"):
+                    await self._ctx.tasks.cleanup(self._ctx.store.unlease(self._scope_key, lease.token))
             if restored:
                 self._snapshot_depth = max(self._snapshot_depth, depth)
                 return await self._replay_to(target)
@@ -169,7 +170,8 @@ class LiveSandbox:
     async def _snapshot(self, box: Sandbox, path: list[bytes]) -> None:
         t0 = time.perf_counter()
         try:
-            snapshot_id = await box.snapshot()
+            with self._ctx.stats.timing("snapshotting"):
+                snapshot_id = await box.snapshot()
         except SandboxError as exc:
             # The backend's word that the sandbox is as it was (no room for a layer, say): keep it, save no more.
             self._snapshot_failures = MAX_SNAPSHOT_FAILURES
@@ -186,9 +188,10 @@ class LiveSandbox:
         stats, tasks = self._ctx.stats, self._ctx.tasks
         stats.snapshots += 1
         try:
-            doomed = await self._ctx.store.add_snapshot(
-                self._scope_key, self._origin, path, snapshot_id, self._ctx.snapshot_budget
-            )
+            with stats.timing("store"):
+                doomed = await self._ctx.store.add_snapshot(
+                    self._scope_key, self._origin, path, snapshot_id, self._ctx.snapshot_budget
+                )
         except StoreError as exc:
             await tasks.cleanup(self._sandboxes.delete(snapshot_id))  # the store never heard of it
             self._ctx.store_failed(exc, took_effect=True)
@@ -216,9 +219,10 @@ class LiveSandbox:
                 await store.unlease(scope_key, lease.token)
 
         try:
-            return await self._ctx.tasks.acquire(
-                store.lease(scope_key, self._origin, nodes, self._ctx.lease_ttl), unlease
-            )
+            with self._ctx.stats.timing("store"):
+                return await self._ctx.tasks.acquire(
+                    store.lease(scope_key, self._origin, nodes, self._ctx.lease_ttl), unlease
+                )
         except StoreError as exc:
             self._ctx.store_failed(exc)
             return None
@@ -236,7 +240,8 @@ class LiveSandbox:
         for attempt in (1, 2):
             t0 = time.perf_counter()
             try:
-                box = await ctx.tasks.acquire(self._sandboxes.restore(lease.snapshot_id), _close)
+                with ctx.stats.timing("restoring"):
+                    box = await ctx.tasks.acquire(self._sandboxes.restore(lease.snapshot_id), _close)
             except SandboxBusy as exc:
                 raise _TakeAnotherRoute(str(exc)) from exc  # still there: come back to it later
             except SnapshotGone as exc:
@@ -264,7 +269,8 @@ class LiveSandbox:
             self._ctx.stats.warm += 1
             return box
         t0 = time.perf_counter()
-        box = await self._ctx.tasks.acquire(self._sandboxes.create(), _close)
+        with self._ctx.stats.timing("creating"):
+            box = await self._ctx.tasks.acquire(self._sandboxes.create(), _close)
         self._costs.measured_create.add(time.perf_counter() - t0)
         self._ctx.stats.creates += 1
         return box

@@ -83,13 +83,15 @@ class _Claim:
         self.ended = False
 
     async def record(self, entry: Entry) -> None:
-        await self.ctx.store.record(self.scope_key, self.node, self.digest, entry, self.token)
+        with self.ctx.stats.timing("store"):
+            await self.ctx.store.record(self.scope_key, self.node, self.digest, entry, self.token)
         self.ended = True
 
     async def release(self) -> None:
         if not self.ended:
             self.ended = True
-            await self.ctx.tasks.cleanup(self.ctx.store.release(self.scope_key, self.node, self.digest, self.token))
+            with self.ctx.stats.timing("store"):
+                await self.ctx.tasks.cleanup(self.ctx.store.release(self.scope_key, self.node, self.digest, self.token))
 
     async def _refresh(self) -> None:
         ttl = self.ctx.claim_ttl
@@ -243,14 +245,16 @@ class Rollout:
 
         async def claiming_lookup() -> Entry | Claim | None:
             lookup = store.lookup(scope_key, node, call.digest, ttl)
-            if self._ctx.claims_in_process:  # taken after the lookup's last await: never parted from its caller
-                return await lookup
-            return await self._ctx.tasks.acquire(lookup, release)  # a task: dear next to a hit, not to a round trip
+            with self._ctx.stats.timing("store"):
+                if self._ctx.claims_in_process:  # taken after the lookup's last await: never parted from its caller
+                    return await lookup
+                return await self._ctx.tasks.acquire(lookup, release)  # a task: dear next to a hit, not a round trip
 
         found = await claiming_lookup()
         while isinstance(found, Claim) and found.token is None:
             self._ctx.stats.waits += 1  # another rollout is executing this very call: wait for its entry
-            entry = await store.wait(scope_key, node, call.digest, ttl)
+            with self._ctx.stats.timing("waiting"):
+                entry = await store.wait(scope_key, node, call.digest, ttl)
             if entry is not None:
                 return entry, "waited"
             found = await claiming_lookup()  # its claim ended without an entry
@@ -307,7 +311,8 @@ class Rollout:
         try:
             if not self._registered:  # once per rollout, and only for rollouts that add to the graph
                 s = self._scope
-                await self._ctx.store.register(TaskInfo(self._scope_key, s.namespace, s.task, s.fingerprint))
+                with self._ctx.stats.timing("store"):
+                    await self._ctx.store.register(TaskInfo(self._scope_key, s.namespace, s.task, s.fingerprint))
                 self._registered = True
             await claim.record(entry)
         except StoreError as exc:

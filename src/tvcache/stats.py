@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import Literal
 
-__all__ = ["Stats"]
+__all__ = ["Part", "Stats"]
+
+#: Where a call's time goes besides executing and replaying: the `seconds_<part>` counters `Stats.timing` adds to.
+Part = Literal["waiting", "creating", "restoring", "snapshotting", "store"]
 
 
 @dataclass
@@ -27,6 +34,23 @@ class Stats:
     seconds_executing: float = 0.0  # tool time of `executions`
     seconds_replaying: float = 0.0
     seconds_saved: float = 0.0  # recorded execution time of every hit
+    # Where the rest of the calls' time went, on their critical path (prefetching is not counted): what a
+    # report subtracts from the calls' time to find the cache's own overhead.
+    seconds_waiting: float = 0.0  # for another rollout's identical call (single flight)
+    seconds_creating: float = 0.0  # fresh sandboxes
+    seconds_restoring: float = 0.0  # snapshots restored, also attempts that failed
+    seconds_snapshotting: float = 0.0  # the sandbox saving its state (recording it is a store round trip)
+    seconds_store: float = 0.0  # store round trips: lookups, records, claims, leases, snapshot records
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+    @contextmanager
+    def timing(self, part: Part) -> Iterator[None]:
+        """Add the wall time of the block (also one that raises or is cancelled) to `seconds_<part>`."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            name = f"seconds_{part}"
+            setattr(self, name, getattr(self, name) + time.perf_counter() - t0)

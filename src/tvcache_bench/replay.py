@@ -51,6 +51,7 @@ from .traces import Trace, task_order
 from .workload import Workload
 
 __all__ = [
+    "PARTS",
     "ReplayOptions",
     "ReplayResult",
     "Step",
@@ -87,6 +88,12 @@ def schedule(traces: Sequence[Trace], batch: int, epochs: int) -> list[Step]:
         for epoch in range(epochs)
         for index, group in enumerate(batches)
     ]
+
+
+# Where the calls' time goes, in the order the reports stack it: each part is a strategy's `seconds_<part>`
+# counter; the cache's own overhead is what the calls took beyond them all (lookups in memory, bookkeeping,
+# closing replaced sandboxes, deleting evicted snapshots, waiting for the CPU).
+PARTS = ("executing", "waiting", "creating", "restoring", "replaying", "snapshotting", "store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +181,11 @@ class StrategyRun:
     def total_tool_seconds(self) -> float:
         return sum(self.samples)
 
+    def breakdown(self) -> dict[str, float]:
+        """Seconds of the calls' time per part (`PARTS`), and `overhead`: the calls' time beyond the parts."""
+        parts = {part: float(self.stats.get(f"seconds_{part}", 0.0)) for part in PARTS}
+        return {**parts, "overhead": self.total_tool_seconds - sum(parts.values())}
+
     def epoch_hit_rates(self) -> list[float]:
         return [h / c if c else 0.0 for h, c in zip(self.epoch_hits, self.epoch_calls, strict=True)]
 
@@ -223,6 +235,7 @@ class StrategyRun:
             "mean_call_seconds": total / len(ordered) if ordered else 0.0,
             "median_hit_seconds": percentile(sorted(self.hit_samples), 0.5) if self.hit_samples else None,
             "total_tool_seconds": total,
+            "time_breakdown": self.breakdown(),
             "wall_seconds": self.wall_seconds,
             "speedup_total": speedup_total,
             "speedup_median": speedup_median,

@@ -1,7 +1,9 @@
 """Reports of a replay: a rich table, a JSON file and PNG charts.
 
 The charts follow the paper's figures: hit rate per epoch per strategy (grouped bars) and the distribution of
-per-call tool time with and without the cache (CDF on a log time axis), plus total tool time per strategy.
+per-call tool time with and without the cache (CDF on a log time axis), plus total tool time per strategy and
+where that time went (stacked bars: executing, waiting, creating, restoring, replaying, snapshotting, store round
+trips, the cache's own overhead).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .replay import ReplayResult, StrategyRun, percentile
+from .replay import PARTS, ReplayResult, StrategyRun, percentile
 
 __all__ = [
     "PAPER",
@@ -128,6 +130,7 @@ def print_table(result: ReplayResult, console: Console | None = None) -> None:
         )
     console.print(main, width=width)
     console.print(detail, width=width)
+    console.print(_breakdown_table(summary), width=width)
     for line in _footnotes(result, summary):
         console.print(line, highlight=False, width=width)
     legend = Table.grid(padding=(0, 1))  # a grid, so that long meanings wrap under themselves
@@ -137,6 +140,34 @@ def print_table(result: ReplayResult, console: Console | None = None) -> None:
         legend.add_row(f"  {term} =", meaning)
     console.print("reading the tables:", width=width)
     console.print(legend, highlight=False, width=width)
+
+
+# The breakdown's columns and chart segments: each part of `PARTS`, then the overhead, in one colour each.
+BREAKDOWN = (*PARTS, "overhead")
+PART_COLORS = dict(
+    zip(
+        BREAKDOWN, ("#2ca02c", "#17becf", "#ff7f0e", "#9467bd", "#d62728", "#8c564b", "#1f77b4", "#7f7f7f"), strict=True
+    )
+)
+PART_LABELS = {"store": "store round trips", "waiting": "waiting (single flight)", "overhead": "cache overhead"}
+PART_COLUMNS = dict(
+    zip(BREAKDOWN, ("execute", "wait", "create", "restore", "replay", "snapshot", "store", "overhead"), strict=True)
+)
+
+
+def _breakdown_table(summary: dict[str, Any]) -> Table:
+    table = Table(title="where the tool time goes", title_justify="left")
+    table.add_column("strategy")
+    for part in BREAKDOWN:
+        table.add_column(PART_COLUMNS[part], justify="right")
+    for name, row in summary["strategies"].items():
+        table.add_row(name, *(_part_seconds(row["time_breakdown"][part]) for part in BREAKDOWN))
+    return table
+
+
+def _part_seconds(seconds: float) -> str:
+    """A part's seconds; "-" for work the strategy never did."""
+    return "-" if seconds == 0 else format_seconds(seconds)
 
 
 def _compared(compared: bool, *cells: str) -> list[str]:
@@ -183,6 +214,18 @@ def _legend(strategies: dict[str, Any]) -> list[tuple[str, str]]:
         ("snapshots", "sandbox states saved to restore later (a file copy, a layer, a container commit each)"),
         ("replayed", "calls run again to rebuild a sandbox state (not in executions)"),
         ("p90 call", "the 90th percentile of a call's time"),
+        ("where the tool time goes", "the tool time split by what the calls waited for, each column a sum:"),
+        ("execute", "executing the calls (the misses)"),
+        ("wait", "waiting for another rollout's identical call (single flight)"),
+        ("create", "making fresh sandboxes"),
+        ("restore", "restoring snapshots"),
+        ("replay", "replaying calls to rebuild a state"),
+        ("snapshot", "saving sandbox states"),
+        ("store", "round trips to the cache's store (lookups, records, claims, leases, snapshot records)"),
+        (
+            "overhead",
+            "the rest: the cache's own work, closing sandboxes, deleting evicted snapshots, waiting for the CPU",
+        ),
     ]
     if compared:
         lines.append(
@@ -253,6 +296,7 @@ def write_charts(result: ReplayResult, directory: str | Path) -> list[Path]:
         _hit_rate_chart(result, out / f"{stem}-hit-rate.png"),
         _call_time_chart(result, out / f"{stem}-call-times.png"),
         _tool_time_chart(result, out / f"{stem}-tool-time.png"),
+        _breakdown_chart(result, out / f"{stem}-time-breakdown.png"),
     ]
     return [p for p in paths if p is not None]
 
@@ -345,6 +389,36 @@ def _tool_time_chart(result: ReplayResult, path: Path) -> Path | None:
     ax.set_ylim(0, max(totals) * 1.35 if max(totals) > 0 else 1)
     ax.set_title(f"{result.workload}: total tool-call time", fontsize=10)
     ax.tick_params(axis="x", labelsize=8)
+    style_axes(ax)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _breakdown_chart(result: ReplayResult, path: Path) -> Path | None:
+    """A stacked bar per strategy: its total tool time split by where it went."""
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result.strategies.values() if r.samples]
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 3.8), dpi=150)
+    names = [LABELS.get(r.name, r.name) for r in runs]
+    parts = [r.breakdown() for r in runs]
+    bottoms = [0.0] * len(runs)
+    for part in BREAKDOWN:
+        heights = [max(0.0, p[part]) for p in parts]  # a negative overhead (timer noise) has no bar
+        if not any(heights):
+            continue
+        ax.bar(names, heights, bottom=bottoms, color=PART_COLORS[part], label=PART_LABELS.get(part, part))
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for x, (run, top) in enumerate(zip(runs, bottoms, strict=True)):
+        ax.annotate(_short_seconds(run.total_tool_seconds), (x, top), ha="center", va="bottom", fontsize=7)
+    ax.set_ylabel("total tool time (s)")
+    ax.set_title(f"{result.workload}: where the tool time goes", fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     style_axes(ax)
     fig.tight_layout()
     fig.savefig(path)

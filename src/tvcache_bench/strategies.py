@@ -66,6 +66,10 @@ class Counters:
     warm: int = 0
     failures: int = 0
     seconds_executing: float = 0.0
+    seconds_creating: float = 0.0
+    seconds_restoring: float = 0.0
+    seconds_replaying: float = 0.0
+    seconds_snapshotting: float = 0.0
 
 
 class Strategy:
@@ -122,8 +126,10 @@ class _OwnSandbox:
 
     async def get(self) -> Sandbox:
         if self.box is None:
+            t0 = time.perf_counter()
             self.box = await self._sandboxes.create()
             self._counters.creates += 1
+            self._counters.seconds_creating += time.perf_counter() - t0
         return self.box
 
     async def execute(self, call: ToolCall) -> Outcome:
@@ -323,11 +329,14 @@ class _PaperRollout:
             found = self._strategy.snapshots.get(self._path[depth - 1][0])
             if found is None:
                 continue
+            t0 = time.perf_counter()
             try:
                 restored = await self._sandboxes.restore(found[1])
             except Exception:
                 self._strategy.snapshots.pop(self._path[depth - 1][0], None)
                 continue
+            finally:
+                self._strategy.counters.seconds_restoring += time.perf_counter() - t0
             self._strategy.counters.restores += 1
             await self._own.drop()
             self._own.box, self._depth = restored, depth
@@ -340,11 +349,14 @@ class _PaperRollout:
         assert box is not None
         while self._depth < target:
             self._strategy.counters.replays += 1
+            t0 = time.perf_counter()
             try:
                 await box.execute(self._path[self._depth][1])
             except BaseException:
                 await self._own.drop()
                 raise
+            finally:
+                self._strategy.counters.seconds_replaying += time.perf_counter() - t0
             self._depth += 1
 
     async def _snapshot(self) -> None:
@@ -352,8 +364,10 @@ class _PaperRollout:
         box = self._own.box
         if prefix in strategy.snapshots or box is None:
             return
+        t0 = time.perf_counter()
         snapshot_id = await box.snapshot()
         strategy.counters.snapshots += 1
+        strategy.counters.seconds_snapshotting += time.perf_counter() - t0
         if prefix in strategy.snapshots:  # another rollout got there while we saved: keep one
             await self._sandboxes.delete(snapshot_id)
         else:
