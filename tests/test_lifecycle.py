@@ -305,6 +305,15 @@ def test_remote_sandboxes_raise_what_local_ones_do_and_refuse_use_after_close(tm
         with pytest.raises(tvcache.SnapshotGone):
             await boxes.restore(snapshot)
         await box.close()
+        # Through the cache, a refused call is an error result, as a built-in sandbox answers one, attached or
+        # detached, and the rollout goes on.
+        async with tvcache.ToolCache() as cache, cache.rollout("t", boxes, kv.TOOLS) as r:
+            for _ in range(2):
+                refused = await r.call("no_such_tool", {})
+                assert refused.error and refused.output.startswith("Error: ") and "unknown tool" in refused.output
+                assert (await r.call("append", {"key": "a", "value": "x"})).output in (1, 2)
+                assert not r.detached
+            assert (await r.call("read", {"key": "a"})).output == "xx"
         await boxes.close()
         await boxes.close()  # a second close does nothing
         with pytest.raises(RuntimeError, match="closed"):

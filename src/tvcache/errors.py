@@ -1,8 +1,9 @@
 """The exceptions a caller of tvcache sees, the same whichever backend and store run underneath.
 
     TVCacheError
-    ├── ToolError      a tool call was refused before it ran (unknown tool, arguments it does not take):
-    │                  nothing changed; the rollout goes on. Also a ValueError, as such refusals were.
+    ├── ToolError      a sandbox refused a call before it ran (unknown tool, arguments it does not take):
+    │                  nothing changed. `Rollout.call` answers it with an error result (`Error: ...`), as
+    │                  built-in sandboxes answer a bad call, and the rollout goes on. Also a ValueError.
     ├── SandboxError   the sandbox machinery failed (not the tool): a sandbox died, a server went away
     │   ├── SandboxBusy    the backend cannot do it now (at capacity); nothing is lost
     │   └── SnapshotGone   the snapshot asked for no longer exists (deleted, lost with its host)
@@ -23,8 +24,8 @@ class TVCacheError(Exception):
 
 
 class ToolError(TVCacheError, ValueError):
-    """A tool call was refused before it ran: the tool does not exist, or does not take these arguments.
-    Nothing changed in the sandbox, and the rollout can go on with its next call."""
+    """A sandbox refused a tool call before it ran: the tool does not exist, or does not take these arguments.
+    Nothing changed in the sandbox; a rollout answers the call with an error result and goes on."""
 
 
 class SandboxError(TVCacheError, RuntimeError):

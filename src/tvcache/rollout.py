@@ -26,7 +26,7 @@ from .calls import ToolCall, Tools
 from .context import Context
 from .graph import EDGE, MEMO, Entry, Kind, Scope, decode_output, encode_output
 from .live import History, LiveSandbox
-from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes, ToolError
+from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes, ToolError, refusal
 from .stores.base import Claim, StoreError, TaskInfo
 
 __all__ = ["Result", "Rollout", "RolloutStats", "Source", "current_rollout"]
@@ -164,8 +164,8 @@ class Rollout:
     async def call(self, tool: str, args: Mapping[str, Any] | str | None = None) -> Result:
         """Call `tool` with `args` (a mapping, or a JSON string as chat models emit it) at the rollout's state.
 
-        A tool that fails returns a result with `error=True`; `ToolError` means the call was refused before it
-        ran (nothing changed); `SandboxError` that the sandbox machinery failed (the next call rebuilds the
+        A tool that fails, or refuses the call (an unknown tool, bad arguments; a sandbox's `ToolError`), returns
+        a result with `error=True`; `SandboxError` means the sandbox machinery failed (the next call rebuilds the
         state in a new sandbox); `StoreError` (with `on_store_error="raise"`) that the store failed before the
         call ran. A call that ran is never reported as not having run."""
         start = time.perf_counter()
@@ -373,22 +373,25 @@ class Rollout:
 
         A sandbox that raises, or answers with something that is not an Outcome of a str, bytes or JSON output,
         is in an unknown state: it is dropped (the next call rebuilds one at the cursor) and the error reaches
-        the caller. Two exceptions keep the sandbox: a `ToolError` (the call was refused before it ran), and
-        any error in a detached rollout, whose sandbox is its state and cannot be rebuilt: without a cache, a
-        framework would go on in that sandbox too."""
+        the caller; in a detached rollout, whose sandbox is its state and cannot be rebuilt, it is kept (without
+        a cache, a framework would go on in that sandbox too). A `ToolError` (the sandbox refused the call before
+        running it) is answered as built-in sandboxes answer a bad call: an error result, `Error: ...`."""
         stats = self._ctx.stats
         stats.executions += 1
         self.stats.executions += 1
         t0 = time.perf_counter()
         try:
-            outcome = await self._live.execute(call)
+            try:
+                outcome = await self._live.execute(call)
+            except ToolError as exc:  # refused before it ran (a remote server's 422): answered as built-ins do
+                outcome = refusal(f"Error: {exc}")
             seconds = time.perf_counter() - t0
             if not isinstance(outcome, Outcome):
                 raise SandboxError(f"Sandbox.execute must return an Outcome, got {type(outcome).__name__}")
             blob = encode_output(outcome.output)
-        except BaseException as exc:
+        except BaseException:
             stats.failures += 1
-            if not self._detached and not isinstance(exc, ToolError):
+            if not self._detached:
                 await self._live.drop()
             raise
         stats.seconds_executing += seconds

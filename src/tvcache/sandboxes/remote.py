@@ -313,7 +313,7 @@ class RemoteSandboxes:
             server.down_until = 0.0
             message = f"sandbox server {server.url} answered {name} with {exc.status}: {exc.message}"
             if name == "execute" and exc.status in (400, 422):
-                raise ToolError(message) from None  # the call was refused before it ran, as a local sandbox does
+                raise ToolError(exc.message) from None  # refused before it ran; the message is for the model
             if name == "restore" and exc.status == 404:
                 raise SnapshotGone(message) from None
             raise _Refused(exc.status, message) from None
