@@ -47,7 +47,10 @@ COMMANDS = ["cat /testbed/greet.sh", "sed -i 's/Helo/Hello/' /testbed/greet.sh"]
 
 def workspace(env_dir: Path) -> tvcache.Sandboxes:
     """A task's sandbox factory: its files at /testbed over this machine's root, no network; one per task."""
-    return process_sandboxes(env_dir, lambda: tvcache.WorkspaceSandboxes(env_dir / "files", network=False, timeout=60))
+    # The factory's timeout is a ceiling over the recipe's per-command ones (120 s for the agent, 60 s to grade).
+    return process_sandboxes(
+        env_dir, lambda: tvcache.WorkspaceSandboxes(env_dir / "files", network=False, timeout=3600)
+    )
 
 
 def write_task(root: Path) -> Path:

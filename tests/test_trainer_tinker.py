@@ -1,17 +1,27 @@
 """Tinker cookbook: the Harbor recipe's own environments (`HarborEnvGroupBuilder.make_envs`, the `bash` tool,
 `HarborReward` grading with the task's `tests/test.sh`) on tvcache's `sandbox_factory`, stepped token by token as
-the cookbook's rollout loop steps them.
+the cookbook's rollout loop steps them, next to the same environments on the cookbook's own `ModalSandbox`.
 
-The one stand-in is the policy (no model is sampled here): a scripted one whose turns are rendered to tokens with
-SmolLM2's real tokenizer and parsed back by the cookbook's Qwen 3 renderer. The sandboxes are real workspace
-sandboxes holding a small Harbor-style task. Oracle: the same environments on a factory whose sandboxes execute
-every call directly in a fresh sandbox of their own (no cache).
+Two stand-ins, for what cannot run here: the policy (no model is sampled: scripted turns rendered to tokens with
+SmolLM2's real tokenizer and parsed back by the cookbook's Qwen 3 renderer), and Modal's cloud container. The
+cookbook's `ModalSandbox` code runs as it is (its exec calls, stream caps, decoding, stdin upload, error handling);
+only the `modal.Sandbox` object under it is `LocalModal`, whose `exec` runs the process in a bubblewrap jail holding
+the task's files at /testbed, with Modal's semantics: the process's stdout and stderr apart, stdin open until the
+caller closes it, and a process past its `timeout` killed and reported with exit code -1. Every observation the
+model sees (the bash tool's JSON) and every reward must be equal, byte for byte, over two epochs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +31,11 @@ pytest.importorskip("tinker_cookbook", reason="needs the Tinker cookbook (pip in
 
 from tinker_cookbook import tokenizer_utils
 from tinker_cookbook.recipes.harbor_rl.harbor_env import HarborEnvGroupBuilder, HarborTask
+from tinker_cookbook.sandbox.modal_sandbox import ModalSandbox
 
 import tvcache
-from tvcache.calls import ToolCall
-from tvcache.integrations import process_cache
-from tvcache.integrations.tinker import TvcacheSandbox, harbor_task, sandbox_factory
+from tvcache.integrations import process_cache, process_sandboxes
+from tvcache.integrations.tinker import harbor_task, sandbox_factory
 
 TOKENIZER = "tvcache-tests/smollm2-135m-instruct"
 GREET = 'name="${1:-world}"\necho "Helo, $name!"\n'
@@ -35,17 +45,26 @@ if [ "$(bash /testbed/greet.sh tvcache)" = "Hello, tvcache!" ]; then echo 1 > /l
 else echo 0 > /logs/verifier/reward.txt; fi
 """
 FIX = "sed -i 's/Helo/Hello/' /testbed/greet.sh"
+COMMAND_TIMEOUT = 2
 PLANS: list[list[str]] = [
     ["cat /testbed/greet.sh", FIX],  # fixes it: reward 1
     ["cat /testbed/greet.sh"],  # looks, leaves it: 0
     ["cat /testbed/greet.sh", FIX],  # plan 0 again: hits, its grading too
-    ["echo broken > /testbed/greet.sh"],  # breaks it: 0
-    ["cd /tmp && ls /testbed", "pwd"],  # a cd inside a command does not carry over, as in a container exec
+    ["echo out1; echo err1 >&2; echo out2; exit 3", "ls /nonexistent"],  # streams apart, non-zero exits
+    ["echo started; sleep 30", "cat"],  # past the command timeout; a command that waits on its open stdin
+    ["cd /tmp && export X=1 && pwd", "pwd; echo ${X:-unset}; shopt -q login_shell && echo login"],  # bash -lc
+    ["head -c 40000 /dev/zero | tr '\\0' a; echo done >&2", "printf 'bad \\xff\\xfe utf8'"],  # huge; not UTF-8
+    [FIX + " && echo broken >> /testbed/greet.sh"],  # fixes, then appends a failing line: still 1
 ]
+REWARDS = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def tokenizer() -> Any:
+    return register_tokenizer()
+
+
+def register_tokenizer() -> Any:
     from tvcache_bench.workloads.grpo.model import load_tokenizer
 
     loaded = load_tokenizer()
@@ -55,7 +74,11 @@ def tokenizer() -> Any:
 
 @pytest.fixture
 def task(tmp_path: Path) -> HarborTask:
-    root = tmp_path / "fix-greeting"
+    return make_task(tmp_path)
+
+
+def make_task(where: Path) -> HarborTask:
+    root = where / "fix-greeting"
     (root / "environment" / "files").mkdir(parents=True)
     (root / "tests").mkdir()
     (root / "environment" / "Dockerfile").write_text("FROM debian:12\nCOPY files /testbed\n")
@@ -65,27 +88,92 @@ def task(tmp_path: Path) -> HarborTask:
 
 
 def workspace(env_dir: Path) -> tvcache.Sandboxes:
-    return tvcache.WorkspaceSandboxes(env_dir / "files", network=False, timeout=30)
+    """The task's sandbox factory, one per process (module level, so the sandbox factory pickles)."""
+    return process_sandboxes(
+        ("tinker-test", env_dir), lambda: tvcache.WorkspaceSandboxes(env_dir / "files", network=False, timeout=60)
+    )
 
 
-class Uncached(TvcacheSandbox):
-    """The oracle: every call executed directly in this sandbox's own fresh workspace."""
-
-    def __init__(self, box: Any) -> None:
-        self._box, self.results, self._id = box, [], "uncached"
-
-    async def call(self, tool: str, args: dict[str, Any]) -> tuple[Any, bool]:
-        outcome = await self._box.execute(ToolCall(tool, args))
-        return outcome.output, outcome.error
-
-    async def cleanup(self) -> None:
-        await self._box.close()
+# -- Modal's container, stood in for by a local jail --------------------------------------------------------------
 
 
-def uncached_factory(boxes: dict[Path, tvcache.Sandboxes]) -> Any:
-    async def make(env_dir: Path, timeout: int) -> Uncached:
-        factory = boxes.setdefault(env_dir, workspace(env_dir))
-        return Uncached(await factory.create())
+class _Aio:
+    def __init__(self, fn: Any) -> None:
+        self.aio = fn
+
+
+class LocalModal:
+    """What `ModalSandbox` uses of a `modal.Sandbox`: `exec.aio(*argv, timeout, workdir)`, `terminate`, `wait`."""
+
+    def __init__(self, files: Path, scratch: Path) -> None:
+        self.object_id = f"local-{scratch.name}"
+        self.dirs = {"/testbed": scratch / "testbed"}
+        shutil.copytree(files, self.dirs["/testbed"])
+        for place in ("/tmp", "/root", "/logs", "/tests"):
+            self.dirs[place] = scratch / place.strip("/")
+            self.dirs[place].mkdir()
+        self.exec, self.terminate, self.wait = _Aio(self._exec), _Aio(self._done), _Aio(self._done)
+
+    async def _done(self, **_: Any) -> None:
+        return None
+
+    async def _exec(self, *argv: str, timeout: int | None = None, workdir: str | None = None) -> LocalProcess:
+        jail = ["bwrap", "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc", "--proc", "/proc", "--dev", "/dev"]
+        for link in ("bin", "lib", "lib64", "sbin"):
+            jail += ["--symlink", f"usr/{link}", f"/{link}"]
+        for place, where in self.dirs.items():
+            jail += ["--bind", str(where), place]
+        jail += ["--unshare-pid", "--unshare-net", "--die-with-parent", "--chdir", workdir or "/"]
+        process = await asyncio.create_subprocess_exec(
+            *jail, *argv, stdin=-1, stdout=-1, stderr=-1, start_new_session=True
+        )
+        return LocalProcess(process, timeout)
+
+
+class LocalProcess:
+    def __init__(self, process: asyncio.subprocess.Process, timeout: int | None) -> None:
+        self._process = process
+        self.stdout, self.stderr = _chunks(process.stdout), _chunks(process.stderr)
+        self.stdin = _Stdin(process.stdin)
+        self.wait = _Aio(self._wait)
+        self._ended = asyncio.ensure_future(self._end(timeout))
+
+    async def _end(self, timeout: int | None) -> int:
+        try:
+            return await asyncio.wait_for(self._process.wait(), timeout)
+        except TimeoutError:
+            os.killpg(self._process.pid, signal.SIGKILL)
+            await self._process.wait()
+            return -1  # what Modal's ContainerProcess.wait reports past the exec's deadline
+
+    async def _wait(self) -> int:
+        return await self._ended
+
+
+class _Stdin:
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+        self.drain = _Aio(writer.drain)
+
+    def write(self, data: bytes) -> None:
+        self._writer.write(data)
+
+    def write_eof(self) -> None:
+        self._writer.close()
+
+
+async def _chunks(reader: Any) -> AsyncIterator[bytes]:
+    while chunk := await reader.read(1 << 16):
+        yield chunk
+
+
+def modal_factory(scratch: Path) -> Any:
+    made = iter(range(1000))
+
+    async def make(env_dir: Path, timeout: int) -> ModalSandbox:
+        where = scratch / f"sandbox-{next(made)}"
+        where.mkdir(parents=True)
+        return ModalSandbox(timeout, None, None, LocalModal(env_dir / "files", where))  # type: ignore[arg-type]
 
     return make
 
@@ -98,22 +186,24 @@ def action(tokenizer: Any, command: str | None) -> list[int]:
     return [*tokenizer.encode(text, add_special_tokens=False), tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
-async def run_group(task: HarborTask, factory: Any, tokenizer: Any) -> tuple[list[float], list[list[str]], Any]:
+async def run_group(
+    task: HarborTask, factory: Any, tokenizer: Any, plans: list[list[str]] = PLANS
+) -> tuple[list[float], list[list[str]], Any]:
     """One group of the recipe's environments, each stepped through its plan; rewards and tool outputs."""
     builder = HarborEnvGroupBuilder(
         task=task,
         model_name=TOKENIZER,
         renderer_name="qwen3_instruct",
         max_turns=4,
-        group_size=len(PLANS),
-        command_timeout=30,
+        group_size=len(plans),
+        command_timeout=COMMAND_TIMEOUT,
         grader_timeout=30,
         sandbox_factory=factory,
     )
     envs = await builder.make_envs()
     rewards, outputs = [], []
     try:
-        for env, plan in zip(envs, PLANS, strict=True):
+        for env, plan in zip(envs, plans, strict=True):
             await env.initial_observation()
             total, seen = 0.0, []
             for command in [*plan, None]:
@@ -131,36 +221,79 @@ async def run_group(task: HarborTask, factory: Any, tokenizer: Any) -> tuple[lis
     return rewards, outputs, sandboxes
 
 
-def test_harbor_envs_on_tvcache_match_uncached_and_later_groups_hit(task: HarborTask, tokenizer: Any) -> None:
+def test_harbor_envs_on_tvcache_match_modal_and_later_groups_hit(
+    task: HarborTask, tokenizer: Any, tmp_path: Path
+) -> None:
     async def go() -> tuple[Any, Any, Any, dict[str, float]]:
-        boxes: dict[Path, tvcache.Sandboxes] = {}
-        plain = await run_group(task, uncached_factory(boxes), tokenizer)
-        for factory in boxes.values():
-            await factory.close()
-        cached_boxes: dict[Path, tvcache.Sandboxes] = {}
-
-        def shared(env_dir: Path) -> tvcache.Sandboxes:
-            return cached_boxes.setdefault(env_dir, workspace(env_dir))
-
-        make = sandbox_factory(shared)
+        plain = await run_group(task, modal_factory(tmp_path / "modal"), tokenizer)
+        make = sandbox_factory(workspace)
         first = await run_group(task, make, tokenizer)
         again = await run_group(task, make, tokenizer)  # the next epoch
         stats = process_cache().stats()
-        for factory in cached_boxes.values():
-            await factory.close()
         return plain, first, again, stats
 
     plain, first, again, stats = asyncio.run(go())
-    assert plain[0] == [1.0, 0.0, 1.0, 0.0, 0.0], plain
+    assert plain[0] == REWARDS, plain
     assert first[0] == plain[0] and again[0] == plain[0]
     assert first[1] == plain[1] and again[1] == plain[1]
-    assert json.loads(plain[1][4][1])["stdout"].strip() == "/"  # the cd stayed in its command
+    seen = [[json.loads(o) for o in outputs] for outputs in plain[1]]
+    assert seen[3][0] == {"exit_code": 3, "stdout": "out1\nout2\n", "stderr": "err1\n"}
+    assert seen[4][0] == {"exit_code": -1, "stdout": "started\n", "stderr": ""}  # the per-call timeout
+    assert seen[4][1]["exit_code"] == -1  # cat waited on its open stdin
+    assert seen[5][1]["stdout"] == "/\nunset\nlogin\n"  # a new login shell per command, in the tool's workdir
+    assert len(seen[6][0]["stdout"]) == 16384 and seen[6][0]["stderr"] == "done\n"
+    assert seen[6][1]["stdout"] == "bad \ufffd\ufffd utf8"
     # Plan 2 repeats plan 0: its two commands, the test upload, test.sh and the reward read all hit.
     assert all(r.hit for r in first[2][2].results)
-    assert not any(r.hit for r in first[2][0].results[:1])
-    # The next epoch hits every call of every environment, grading included.
-    assert all(r.hit for box in again[2] for r in box.results)
-    assert stats["mismatches"] == 0 and stats["detached"] == 0
+    # The next epoch hits every call but the timed-out ones (never cached) and what follows them.
+    assert all(r.hit for i, box in enumerate(again[2]) if i != 4 for r in box.results)
+    assert stats["mismatches"] == 0
+
+
+def test_the_factory_pickles_and_rolls_out_in_the_cookbooks_process_pool(task: HarborTask, tmp_path: Path) -> None:
+    from tinker_cookbook.rl.rollouts import set_rollout_executor
+
+    builder = group_builder(task, [PLANS[0], PLANS[1]])
+    assert pickle.loads(pickle.dumps(builder)).sandbox_factory.sandboxes is workspace
+    with pytest.raises(TypeError, match="TVCACHE_URL"):
+        pickle.dumps(sandbox_factory(workspace, cache=tvcache.ToolCache()))
+    spawn = multiprocessing.get_context("spawn")
+    os.environ["TVCACHE_URL"] = f"sqlite:///{tmp_path / 'cache.db'}"  # the workers share results through it
+    try:
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn, initializer=register_tokenizer) as pool:
+            set_rollout_executor(pool)  # checks the start method as the cookbook does
+            set_rollout_executor(None)
+            groups = [pool.submit(roll_out, builder).result(timeout=600) for _ in range(2)]
+    finally:
+        del os.environ["TVCACHE_URL"]
+    assert groups[0][0] == groups[1][0] == [1.0, 0.0]
+    assert groups[1][1] == groups[1][2] > 0  # the second group, in another event loop, hit every call
+
+
+def group_builder(task: HarborTask, plans: list[list[str]]) -> HarborEnvGroupBuilder:
+    return HarborEnvGroupBuilder(
+        task=task,
+        model_name=TOKENIZER,
+        renderer_name="qwen3_instruct",
+        max_turns=4,
+        group_size=len(plans),
+        command_timeout=COMMAND_TIMEOUT,
+        grader_timeout=30,
+        sandbox_factory=sandbox_factory(workspace),
+    )
+
+
+def roll_out(builder: HarborEnvGroupBuilder) -> tuple[list[float], int, int]:
+    """A worker's group rollout, in a fresh event loop as the cookbook's `_run_rollout_sync` runs one: the plans
+    of PLANS[0] and PLANS[1]; rewards, calls and hits."""
+    tokenizer = tokenizer_utils.get_tokenizer(TOKENIZER)
+
+    async def go() -> tuple[list[float], int, int]:
+        rewards, _, boxes = await run_group(builder.task, builder.sandbox_factory, tokenizer, [PLANS[0], PLANS[1]])
+        results = [r for box in boxes for r in box.results]
+        return rewards, len(results), sum(r.hit for r in results)
+
+    return asyncio.run(go())
 
 
 def test_task_id_is_the_harbor_task_name(tmp_path: Path) -> None:
