@@ -10,6 +10,7 @@ import json
 import random
 import re
 import sqlite3
+import sys
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from tvcache_bench.replay import PARTS, ReplayOptions, percentile, replay, repla
 from tvcache_bench.report import format_seconds, print_table, write_charts, write_json
 from tvcache_bench.strategies import NoCacheStrategy, Strategy, StrategyRollout
 from tvcache_bench.traces import Trace, TraceCall, write_traces
+from tvcache_bench.turns import TurnTime
 from tvcache_bench.workload import Workload
 from tvcache_bench.workloads import quick, synthetic
 
@@ -473,6 +475,84 @@ def test_where_the_time_goes_adds_up_on_a_real_replay(tmp_path: Path) -> None:
         assert cells == [format_seconds(s) if s else "-" for s in seconds]
     charts = write_charts(result, tmp_path / "charts")
     assert (tmp_path / "charts" / "quick-time-breakdown.png") in charts
+
+
+def test_turn_times_come_from_timestamps_else_a_seeded_distribution() -> None:
+    stamped = Trace("t", "r", "", [TraceCall("x", {}, None, 10.0, 10.5), TraceCall("x", {}, None, 12.0, 12.1)])
+    bare = Trace("t", "r", "", [TraceCall("x", {}), TraceCall("x", {}), TraceCall("x", {})])
+    lognormal = TurnTime.parse("lognormal:2:0.5", seed=7)
+    assert lognormal.before(stamped, 1, 0, 0) == 1.5  # the trace's own gap wins
+    assert lognormal.before(bare, 0, 0, 0) == 0  # the first call comes with the prompt
+    draws = [lognormal.before(bare, i, e, r) for i in (1, 2) for e in (0, 1) for r in (0, 1)]
+    assert draws == [
+        TurnTime.parse("lognormal:2:0.5", seed=7).before(bare, i, e, r) for i in (1, 2) for e in (0, 1) for r in (0, 1)
+    ]
+    assert len(set(draws)) == len(draws) and all(d > 0 for d in draws)
+    assert draws != [
+        TurnTime.parse("lognormal:2:0.5", seed=8).before(bare, i, e, r) for i in (1, 2) for e in (0, 1) for r in (0, 1)
+    ]
+    assert TurnTime.parse("fixed:0.25").before(bare, 2, 0, 0) == 0.25
+    assert TurnTime.parse("none").before(bare, 2, 0, 0) == 0
+    assert TurnTime.parse("realistic") == TurnTime.parse("lognormal:1:0.8")
+    for bad in ("fixed", "fixed:-1", "lognormal:1:2:3", "gamma:1", "none:1", "fixed:nan"):
+        with pytest.raises(ValueError, match="use none, fixed:SECONDS"):
+            TurnTime.parse(bad)
+
+
+def test_the_engine_waits_the_model_turns_between_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every strategy waits the same turns, before every call but a rollout's first; the report says so."""
+    workload = synthetic.build_workload(synthetic.Params(tasks=2, rollouts=2, calls=3, cost_ms=0, capacity=0))
+    slept: list[float] = []
+    sleep = asyncio.sleep
+
+    async def recorded(seconds: float, *args: Any) -> Any:
+        if sys._getframe(1).f_globals["__name__"] != "tvcache_bench.replay":
+            return await sleep(seconds, *args)  # the cache's own sleeps (claim refreshes) as they are
+        slept.append(seconds)
+        return await sleep(0, *args)  # the turns are counted, not waited: a test does not need the seconds
+
+    monkeypatch.setattr("tvcache_bench.replay.asyncio.sleep", recorded)
+    turn_time = TurnTime.parse("lognormal:0.5", seed=3)
+    try:
+        options = ReplayOptions(epochs=2, progress=False, prefetch=False, turn_time=turn_time)
+        result = asyncio.run(replay_strategies(workload, ["none", "tvcache"], options))
+    finally:
+        asyncio.run(workload.close())
+    expected = [
+        turn_time.before(trace, i, epoch, index)
+        for epoch in range(2)
+        for index, trace in enumerate(workload.traces)
+        for i in range(1, len(trace.calls))
+    ]
+    turns = [s for s in slept if s > 0]
+    assert sorted(turns) == sorted(expected * 2)  # each strategy waited each turn once
+    summary = result.summary()
+    assert summary["options"]["turn_time"] == "lognormal:0.5:0.8 (seed 3)"
+    for row in summary["strategies"].values():
+        assert row["turn_seconds"] == pytest.approx(sum(expected))
+        assert row["rollout_seconds"] >= row["total_tool_seconds"]
+    out = io.StringIO()
+    print_table(result, Console(file=out, width=200))
+    assert "model turns: lognormal:0.5:0.8 (seed 3)" in " ".join(out.getvalue().split())
+
+
+def test_the_replay_command_takes_a_turn_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces = synthetic.generate(synthetic.Params(tasks=1, rollouts=2, calls=2, cost_ms=0))
+    write_traces(tmp_path / "kv.jsonl", traces)
+    out = tmp_path / "out.json"
+    argv = [
+        "replay",
+        str(tmp_path / "kv.jsonl"),
+        "--sandbox",
+        "python:tvcache_bench.workloads.synthetic:make_sandboxes",
+    ]
+    assert cli([*argv, "--turn-time", "fixed:0.01", "--turn-seed", "4", "--json", str(out), "--no-progress"]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["options"]["turn_time"] == "fixed:0.01 (seed 4)"
+    assert figures["strategies"]["none"]["turn_seconds"] == pytest.approx(0.01 * 2)
+    with pytest.raises(SystemExit):
+        cli([*argv, "--turn-time", "weibull:1"])
+    assert "--turn-time 'weibull:1': use none" in capsys.readouterr().err
 
 
 def test_synthetic_scale_reduced() -> None:

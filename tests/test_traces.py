@@ -29,6 +29,7 @@ def test_round_trip(tmp_path: Path) -> None:
     traces = [
         Trace("t1", "r1", "here", [TraceCall("bash", {"command": "ls"}, "a\nb"), TraceCall("bash", {"command": "x"})]),
         Trace("t2", "r1", "", []),
+        Trace("t3", "r1", "", [TraceCall("bash", {}, None, 1.5, 2.0), TraceCall("bash", {}, None, 7.25)]),
     ]
     path = tmp_path / "out.jsonl"
     write_traces(path, traces)
@@ -61,6 +62,8 @@ def test_blank_lines_and_optional_fields(tmp_path: Path) -> None:
             'call 1: "args" must be an object',
         ),
         (json.dumps({**GOOD, "calls": [{"tool": "x", "args": {}, "output": 5}]}), '"output" must be a string or null'),
+        (json.dumps({**GOOD, "calls": [{"tool": "x", "args": {}, "started": "9:00"}]}), '"started" must be a number'),
+        (json.dumps({**GOOD, "calls": [{"tool": "x", "args": {}, "ended": True}]}), '"ended" must be a number'),
     ],
 )
 def test_malformed_line_names_its_number(tmp_path: Path, bad: str, message: str) -> None:

@@ -33,6 +33,7 @@ from tvcache.sandboxes.base import SandboxError
 
 from .data import MissingData, workloads_dir
 from .strategies import STRATEGIES
+from .turns import REALISTIC, TurnTime
 
 if TYPE_CHECKING:
     from .replay import ReplayOptions, ReplayResult
@@ -120,6 +121,16 @@ def add_commands(subparsers: Any) -> None:
         "alike; the default) or strategy (each runs the whole schedule and is closed before the next: one "
         "strategy's snapshots at a time, for big ones such as SQLite copies of large databases)",
     )
+    p.add_argument(
+        "--turn-time",
+        type=_turn_time,
+        default="realistic",
+        metavar="SPEC",
+        help="the model's turn before each call but a rollout's first, from the traces' started/ended timestamps "
+        f"where they have them, else: none, fixed:SECONDS, lognormal:MEDIAN[:SIGMA] or realistic ({REALISTIC}, the "
+        "default); background work (a snapshot) is free only in it",
+    )
+    p.add_argument("--turn-seed", type=int, default=0, metavar="S", help="seed of the turn times drawn (default 0)")
     p.add_argument("--no-prefetch", action="store_true", help="do not prefetch sandboxes for the next step")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", metavar="OUT", help="write the figures as JSON to OUT")
@@ -284,6 +295,7 @@ async def _replay(args: argparse.Namespace) -> dict[str, Any]:
         prefetch=not args.no_prefetch,
         progress=not args.no_progress,
         turns=args.turns,
+        turn_time=TurnTime.parse(args.turn_time, args.turn_seed),
     )
     workload = await load_workload(
         args.traces,
@@ -312,7 +324,7 @@ async def _replay(args: argparse.Namespace) -> dict[str, Any]:
 
 # Per workload: the `tvcache bench` options it takes (besides --json and --charts) and their defaults.
 BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "quick": {"no_progress": False},
+    "quick": {"no_progress": False, "turn_time": "none", "turn_seed": 0},
     "synthetic": {"no_progress": False},
     # sql's strategies take turns by strategy: its SQLite snapshots copy whole databases (373 MB for TPC-H), too
     # many to hold every strategy's at once in tmpfs.
@@ -322,7 +334,15 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "video": {"tasks": None, "epochs": 1, "rollouts": 8, "seed": 0, "turns": "step"},
     "grpo": {"steps": 10, "seed": 0},
 }
-_REPLAY_OPTIONS = {"batch": 4, "concurrency": 8, "strategies": list(STRATEGIES), "store": None, "no_progress": False}
+_REPLAY_OPTIONS = {
+    "batch": 4,
+    "concurrency": 8,
+    "strategies": list(STRATEGIES),
+    "store": None,
+    "no_progress": False,
+    "turn_time": "realistic",
+    "turn_seed": 0,
+}
 for _options in ("sql", "swe", "airline", "video"):
     BENCH_DEFAULTS[_options].update(_REPLAY_OPTIONS)
 
@@ -397,6 +417,14 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="(quick, synthetic, sql, swe, airline, video) no progress bars",
     )
+    parser.add_argument(
+        "--turn-time",
+        type=_turn_time,
+        metavar="SPEC",
+        help="(quick, sql, swe, airline, video) the model's turn between a rollout's calls: none, fixed:SECONDS, "
+        f"lognormal:MEDIAN[:SIGMA] or realistic ({REALISTIC}); default realistic, none for quick (under a minute)",
+    )
+    parser.add_argument("--turn-seed", type=int, metavar="S", help="(quick, sql, swe, airline, video) its seed")
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -407,10 +435,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"run_bench handles {', '.join(BENCH_DEFAULTS)}, not {workload!r}")
     o = _bench_options(args, workload)
     charts = getattr(args, "charts", None)
+    turn_time = TurnTime.parse(o["turn_time"], o["turn_seed"]) if "turn_time" in o else TurnTime()
     if workload == "quick":
         from .workloads import quick
 
-        return quick.run(charts=charts, progress=not o["no_progress"])
+        return quick.run(charts=charts, progress=not o["no_progress"], turn_time=turn_time)
     if workload == "grpo":
         from .workloads.grpo import bench as grpo
 
@@ -427,6 +456,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         concurrency=o["concurrency"],
         progress=not o["no_progress"],
         turns=o["turns"],
+        turn_time=turn_time,
     )
     common: dict[str, Any] = {"options": options, "strategies": o["strategies"], "store": o["store"], "charts": charts}
     if workload == "airline":
@@ -539,6 +569,15 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
     return value
+
+
+def _turn_time(text: str) -> str:
+    """A `--turn-time` value, checked here so that a bad one is a usage error before anything runs."""
+    try:
+        TurnTime.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _strategies(text: str) -> list[str]:

@@ -48,6 +48,7 @@ from tvcache.sandboxes.base import Sandboxes
 
 from .strategies import Strategy, as_cached, make_strategy
 from .traces import Trace, task_order
+from .turns import TurnTime
 from .workload import Workload
 
 __all__ = [
@@ -109,6 +110,9 @@ class ReplayOptions:
     # whole schedule in turn and is closed before the next starts, so only one strategy's snapshots exist at a
     # time (for sandboxes whose snapshots are big: SQLite copies whole databases).
     turns: Literal["step", "strategy"] = "step"
+    # The model's turn before each call but a rollout's first (see `turns.py`): none by default, so that a
+    # replay measures tool time alone; the commands default to a realistic one.
+    turn_time: TurnTime = field(default_factory=TurnTime)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -146,6 +150,8 @@ class StrategyRun:
     lost: int | None = None  # calls that failed where the uncached run (none) answered them
     first_lost: str | None = None
     wall_seconds: float = 0.0
+    turn_seconds: float = 0.0  # the model's turns the rollouts waited between their calls
+    rollout_seconds: float = 0.0  # every rollout's time from its first call to its end: turns and tool time
     peak_memory_bytes: int | None = None
     stats: dict[str, float] = field(default_factory=dict)
     examples: list[dict[str, Any]] = field(default_factory=list)  # a few wrong answers, for people
@@ -236,6 +242,8 @@ class StrategyRun:
             "median_hit_seconds": percentile(sorted(self.hit_samples), 0.5) if self.hit_samples else None,
             "total_tool_seconds": total,
             "time_breakdown": self.breakdown(),
+            "turn_seconds": self.turn_seconds,
+            "rollout_seconds": self.rollout_seconds,
             "wall_seconds": self.wall_seconds,
             "speedup_total": speedup_total,
             "speedup_median": speedup_median,
@@ -272,7 +280,13 @@ class ReplayResult:
         return {
             "workload": self.workload,
             "notes": self.notes,
-            "options": {"batch": o.batch, "epochs": o.epochs, "concurrency": o.concurrency, "timeout": o.timeout},
+            "options": {
+                "batch": o.batch,
+                "epochs": o.epochs,
+                "concurrency": o.concurrency,
+                "timeout": o.timeout,
+                "turn_time": str(o.turn_time),
+            },
             "tasks": self.tasks,
             "rollouts": self.rollouts,
             "calls_per_epoch": self.calls_per_epoch,
@@ -422,10 +436,14 @@ class _Engine:
         trace = self.workload.traces[index]
         answered = 0  # calls of this rollout that got an answer, a timeout or a failure
         async with slots:
-            start = time.perf_counter()
+            start = began = time.perf_counter()
             try:
                 async with self.strategy.rollout(trace.task, self.factories[trace.task], self.workload.tools) as r:
                     for i, c in enumerate(trace.calls):
+                        turn = self.options.turn_time.before(trace, i, epoch, index)
+                        if turn > 0:  # the model generates its next turn: background work is free meanwhile
+                            await asyncio.sleep(turn)
+                            self.run_.turn_seconds += turn
                         start = time.perf_counter()
                         try:
                             result = await asyncio.wait_for(r.call(c.tool, c.args), self.options.timeout)
@@ -445,6 +463,7 @@ class _Engine:
                     answered += 1
                 elif self.run_.first_error is None:  # raised on the way out, after its last call
                     self.run_.first_error = f"{trace.task}/{trace.rollout} after its last call: {why}"
+            self.run_.rollout_seconds += time.perf_counter() - began
         self.run_.skipped += len(trace.calls) - answered
         for _ in range(len(trace.calls) - answered):
             self.advance()

@@ -103,7 +103,7 @@ def print_table(result: ReplayResult, console: Console | None = None) -> None:
                 "snapshots",
             ],
         ),
-        (detail, ["replayed", "p90 call", *_compared(compared, "median speedup"), "peak memory"]),
+        (detail, ["replayed", "p90 call", *_compared(compared, "median speedup"), "rollout time", "peak memory"]),
     ):
         table.add_column("strategy")
         for column in columns:
@@ -126,6 +126,7 @@ def print_table(result: ReplayResult, console: Console | None = None) -> None:
             str(row["replays"]),
             format_seconds(row["p90_call_seconds"]),
             *_compared(compared, "-" if baseline else _ratio(row["speedup_median"])),
+            format_seconds(row["rollout_seconds"]),
             format_bytes(row["peak_memory_bytes"]),
         )
     console.print(main, width=width)
@@ -233,6 +234,13 @@ def _legend(strategies: dict[str, Any]) -> list[tuple[str, str]]:
         )
     lines.append(
         (
+            "rollout time",
+            "every rollout's time from its start to its end, summed: the model's turns between its calls (see "
+            "the note on turns) and its tool time",
+        )
+    )
+    lines.append(
+        (
             "peak memory",
             "how far the strategy's steps raised this process's peak resident memory, summed over its steps (its "
             "graph, its in-process sandboxes and snapshots)",
@@ -246,6 +254,20 @@ def _footnotes(result: ReplayResult, summary: dict[str, Any]) -> list[str]:
     if result.notes:
         lines.append(f"data: {result.notes}")
     strategies = summary["strategies"]
+    turns = summary["options"]["turn_time"]
+    if turns == "none":
+        lines.append("model turns: none (calls back to back): the rollout time is about the tool time")
+    else:
+        shares = ", ".join(
+            f"{name} {row['total_tool_seconds'] / row['rollout_seconds']:.0%}"
+            for name, row in strategies.items()
+            if row["rollout_seconds"] > 0
+        )
+        spent = max((row["turn_seconds"] for row in strategies.values()), default=0.0)
+        lines.append(
+            f"model turns: {turns}, {format_seconds(spent)} in all between calls, the same for every strategy "
+            f"(trace timestamps where the traces have them); share of the rollout time spent in tools: {shares}"
+        )
     if "tvcache" in strategies:
         row = strategies["tvcache"]
         misses = row["calls"] - row["hits"]

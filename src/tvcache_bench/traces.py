@@ -3,12 +3,15 @@
 Each line is one rollout (see `tvcache_bench/data/README.md`):
 
     {"task": str, "rollout": str, "source": str,
-     "calls": [{"tool": str, "args": {...}, "output": str | null}]}
+     "calls": [{"tool": str, "args": {...}, "output": str | null, "started": float, "ended": float}]}
 
 `task` groups rollouts of the same prompt, which is what the cache scopes by; `calls` are the tool calls in
 the order the agent issued them. `output` is what the original run observed: replays produce their own
 outputs, so it is only for reference and conformance checks, and may be left out (read as null). `source`
-says where the rollout comes from and may be left out too (read as ""). Blank lines are skipped.
+says where the rollout comes from and may be left out too (read as ""). `started` and `ended` (optional) are
+when the original run issued the call and got its answer, in seconds on any one clock (Unix time, say): the
+gap between a call's `ended` and the next one's `started` is the model's turn, which replays wait
+(`turns.TurnTime`). Blank lines are skipped.
 
 A malformed line is an error that names the file and the line, so a bad trace file is fixed in a minute.
 """
@@ -16,6 +19,7 @@ A malformed line is an error that names the file and the line, so a bad trace fi
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +37,8 @@ class TraceCall:
     tool: str
     args: dict[str, Any]
     output: str | None = None
+    started: float | None = None  # seconds on the original run's clock
+    ended: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +53,15 @@ class Trace:
             "task": self.task,
             "rollout": self.rollout,
             "source": self.source,
-            "calls": [{"tool": c.tool, "args": c.args, "output": c.output} for c in self.calls],
+            "calls": [_call_json(c) for c in self.calls],
         }
+
+
+def _call_json(call: TraceCall) -> dict[str, Any]:
+    times = {"started": call.started, "ended": call.ended}
+    return {"tool": call.tool, "args": call.args, "output": call.output} | {
+        k: v for k, v in times.items() if v is not None
+    }
 
 
 def read_traces(path: str | Path) -> list[Trace]:
@@ -110,7 +123,17 @@ def _call(value: Any, index: int) -> TraceCall:
     output = value.get("output")
     if output is not None and not isinstance(output, str):
         raise _Bad(f'{where}: "output" must be a string or null, got {_kind(output)}')
-    return TraceCall(tool, args, output)
+    started, ended = (_seconds(value, name, where) for name in ("started", "ended"))
+    return TraceCall(tool, args, output, started, ended)
+
+
+def _seconds(row: dict[str, Any], name: str, where: str) -> float | None:
+    value = row.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _Bad(f'{where}: "{name}" must be a number of seconds, got {_kind(value)}')
+    return float(value)
 
 
 def _field(row: dict[str, Any], name: str, kind: type, where: str) -> Any:

@@ -27,6 +27,7 @@ from ..replay import ReplayOptions, ReplayResult, replay_strategies
 from ..report import print_table, wide_console, write_charts
 from ..strategies import STRATEGIES
 from ..traces import Trace, TraceCall, task_order
+from ..turns import TurnTime
 from ..workload import Workload, combine
 
 __all__ = ["SIZES", "STRATEGIES", "build", "chinook_workload", "quick", "run", "sql_workload"]
@@ -73,20 +74,38 @@ async def build(size: str = "full", seed: int = 0) -> Workload:
     return combine("quick", [sql, writes], order + second)
 
 
-async def quick(size: str = "full", seed: int = 0, progress: bool = True) -> ReplayResult:
+async def quick(
+    size: str = "full", seed: int = 0, progress: bool = True, turn_time: TurnTime | None = None
+) -> ReplayResult:
     s = SIZES[size]
     workload = await build(size, seed)
     try:
-        options = ReplayOptions(batch=4, epochs=s["epochs"], concurrency=s["concurrency"], progress=progress)
+        options = ReplayOptions(
+            batch=4,
+            epochs=s["epochs"],
+            concurrency=s["concurrency"],
+            progress=progress,
+            turn_time=turn_time or TurnTime(),
+        )
         return await replay_strategies(workload, STRATEGIES, options)
     finally:
         await workload.close()
 
 
-def run(charts: str | None = None, *, small: bool = False, seed: int = 0, progress: bool = True) -> dict[str, Any]:
-    """Run the quick job, print its table (and write charts into `charts`); returns the JSON summary."""
+def run(
+    charts: str | None = None,
+    *,
+    small: bool = False,
+    seed: int = 0,
+    progress: bool = True,
+    turn_time: TurnTime | None = None,
+) -> dict[str, Any]:
+    """Run the quick job, print its table (and write charts into `charts`); returns the JSON summary. No model
+    turns between calls unless `turn_time` says (they would take it past a minute)."""
     console = wide_console()
-    result = asyncio.run(quick("small" if small else "full", seed, progress=progress and not small))
+    result = asyncio.run(
+        quick("small" if small else "full", seed, progress=progress and not small, turn_time=turn_time)
+    )
     print_table(result, console)
     if charts:
         for path in write_charts(result, charts):
