@@ -396,6 +396,8 @@ SAMPLES = {
     "--strategies": "none",
     "--store": "memory://",
     "--charts": "charts",
+    "--turn-time": "fixed:0.1",
+    "--turn-seed": "1",
 }
 
 
