@@ -142,6 +142,21 @@ def _find() -> tuple[dict[str, _Hierarchy], dict[str, str]]:
     return found, missing
 
 
+def _core() -> Path | None:
+    """The shared group in the cgroup2 hierarchy, made here, whatever controllers it has: each sandbox's group
+    there is what kills (`cgroup.kill`) and freezes (`cgroup.freeze`) it. None without a usable cgroup2 mount."""
+    _, mount_v2 = _mounts()
+    _, own_v2 = _own_groups()
+    if mount_v2 is None or own_v2 is None:
+        return None
+    group = _under(mount_v2, own_v2 if own_v2 == "/" else os.path.dirname(own_v2)) / GROUP
+    try:
+        group.mkdir(exist_ok=True)
+    except OSError:
+        return None
+    return group if (group / "cgroup.freeze").exists() or (group / "cgroup.kill").exists() else None
+
+
 @dataclass(slots=True)
 class SandboxCgroup:
     """One sandbox's groups: the cgroup.procs files its commands join, and the counts of limits hit."""
@@ -150,7 +165,30 @@ class SandboxCgroup:
     procs: list[str]
     oom_events: Path | None
     pids_events: Path | None
+    core: Path | None = None
+    """Its cgroup2 group (also on a host whose controllers are all cgroup v1): `cgroup.kill`, `cgroup.freeze`."""
     _removed: bool = field(default=False)
+
+    def kill(self) -> None:
+        """SIGKILL everything in the sandbox's groups (the kernel's cgroup.kill where there is one)."""
+        if self.core is not None and _write(self.core / "cgroup.kill", "1"):
+            return
+        for path in self.dirs:
+            _kill_members(path)
+
+    def freeze(self, frozen: bool) -> bool:
+        """Freeze (or thaw) every process in the sandbox; whether the kernel says it is done."""
+        if self.core is None or not _write(self.core / "cgroup.freeze", "1" if frozen else "0"):
+            return False
+        want = f"frozen {int(frozen)}"
+        for _ in range(1000):  # at most a second: a frozen group reports so once every member stopped
+            try:
+                if want in (self.core / "cgroup.events").read_text().splitlines():
+                    return True
+            except OSError:
+                return False
+            time.sleep(0.001)
+        return False
 
     def hits(self) -> tuple[int, int]:
         """(OOM kills, refused forks) so far."""
@@ -182,11 +220,13 @@ class Cgroups:
     def __init__(self, run_name: str):
         self.missing: dict[str, str] = {}
         self._hierarchies: dict[str, _Hierarchy] = {}
+        self._core: Path | None = None
         if os.geteuid() != 0:
             self.missing = {c: "needs root" for c in _CONTROLLERS}
             return
         try:
             self._hierarchies, self.missing = _find()
+            self._core = _core()
         except OSError as exc:
             self.missing = {c: f"cannot read the cgroup layout: {exc}" for c in _CONTROLLERS}
         self._run_name = run_name
@@ -198,16 +238,19 @@ class Cgroups:
         for controller, h in self._hierarchies.items():
             if controller != "cpu" or h.unified:
                 seen[h.group / self._run_name] = None
+        if self._core is not None:
+            seen[self._core / self._run_name] = None
         return list(seen)
 
     def sandbox(self, name: str, *, memory: int | None, processes: int | None) -> SandboxCgroup | None:
-        """Make a sandbox's groups, with its limits; None when no controller is available."""
-        if not self._hierarchies:
+        """Make a sandbox's groups, with its limits; None when no group can be made here."""
+        if not self._hierarchies and self._core is None:
             return None
         dirs: list[Path] = []
         procs: list[str] = []
         oom_events = pids_events = None
         made: set[Path] = set()
+        core = None
         try:
             for controller, h in self._hierarchies.items():
                 if controller == "cpu" and not h.unified:
@@ -234,11 +277,18 @@ class Cgroups:
                     if processes is not None and not _write(path / "pids.max", str(processes)):
                         raise OSError(f"cannot set {path / 'pids.max'}")
                     pids_events = path / "pids.events"
+            if self._core is not None:
+                core = self._core / self._run_name / name  # on cgroup v2 alone, the group made above
+                if core not in made:
+                    core.parent.mkdir(exist_ok=True)
+                    core.mkdir()
+                    dirs.append(core)
+                    procs.append(str(core / "cgroup.procs"))
         except BaseException:
             for path in dirs:
                 _kill_and_rmdir(path)
             raise
-        return SandboxCgroup(dirs, procs, oom_events, pids_events)
+        return SandboxCgroup(dirs, procs, oom_events, pids_events, core)
 
     def remove(self) -> None:
         for run in self.run_dirs:
@@ -255,6 +305,15 @@ def remove_tree(path: Path) -> None:
     _kill_and_rmdir(path)
 
 
+def _kill_members(path: Path) -> None:
+    if _write(path / "cgroup.kill", "1"):
+        return
+    with contextlib.suppress(OSError):
+        for pid in (path / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
 def _kill_and_rmdir(path: Path) -> None:
     # Normally empty: every command's PID namespace dies with it. Kill stragglers rather than leak the group.
     for _ in range(100):
@@ -264,8 +323,5 @@ def _kill_and_rmdir(path: Path) -> None:
         except FileNotFoundError:
             return
         except OSError:
-            with contextlib.suppress(OSError):
-                for pid in (path / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(OSError):
-                        os.kill(int(pid), signal.SIGKILL)
+            _kill_members(path)
             time.sleep(0.01)

@@ -452,6 +452,7 @@ class WorkspaceSandbox(ManagedSandbox):
             cgroups=self._cgroup.procs if self._cgroup else (),
             pass_fds=seccomp,
             spawn=lambda argv, **popen: space.spawn(argv, self._netns, **popen),
+            kill=self._cgroup.kill if self._cgroup else None,
         )
 
     async def execute(self, call: ToolCall) -> Outcome:
@@ -505,10 +506,17 @@ class WorkspaceSandbox(ManagedSandbox):
 
     async def snapshot(self) -> str:
         async with self._turn():
+            # Nothing runs between commands (each one's PID namespace dies with it); frozen all the same, so
+            # that nothing could change the files while they are copied.
+            cgroup = self._cgroup
+            frozen = cgroup is not None and cgroup.freeze(True)
             try:
                 snap = await self._fs.freeze(self._state)
             except OSError as exc:  # e.g. no room for the layer in tmp: the sandbox itself goes on unchanged
                 raise SandboxError(f"could not snapshot the sandbox: {exc}") from exc
+            finally:
+                if frozen and cgroup is not None:
+                    cgroup.freeze(False)
             self._ctx.isolation.acquire(snap)
             return self._factory._keep(snap)
 
