@@ -22,6 +22,7 @@ import pytest
 from shell_oracle import bash, out, run
 from test_workspace import MODES, small_base, usable
 from tvcache import SandboxError, ToolCall
+from tvcache.sandboxes._fdtree import remove_tree
 from tvcache.sandboxes.workspace import WorkspaceSandbox, WorkspaceSandboxes
 
 
@@ -197,13 +198,140 @@ def test_a_snapshot_copies_nothing_from_the_host_however_the_upper_dir_races(bas
                 finally:
                     racer.communicate(b"")
                 layers = boxes._ctx.isolation.layers  # type: ignore[attr-defined]
-                leaks += _leaks(layers.root / box._stack[-1], [token, b"PATH="])
+                leaks += _leaks(layers.root / box._fs.layer, [token, b"PATH="])  # type: ignore[attr-defined]
                 await boxes.delete(snap)
                 # The snapshot moved the entries into its layer: make them again on the new upper dir.
                 await bash(box, "rm -rf /testbed/race && " + setup)
             assert not leaks, leaks
             # Read by nobody: a read (by a copy that followed a symlink) would have moved their access times.
             assert [os.stat(p).st_atime_ns for p in watched] == [0] * len(watched), "the host's files were read"
+
+    try:
+        run(main())
+    finally:
+        shutil.rmtree(host)
+
+
+# -- trees deeper than recursion, paths longer than PATH_MAX -------------------------------------------------
+
+DEPTH = 10_000
+# /testbed/deep/d/d/.../d/f: DEPTH levels, a path of about 2 * DEPTH bytes, far past PATH_MAX (4096).
+DEEP = f"""python3 -c '
+import os
+os.chdir("/testbed")
+os.mkdir("deep")
+os.chdir("deep")
+for _ in range({DEPTH}):
+    os.mkdir("d")
+    os.chdir("d")
+open("f", "w").write("at the bottom\\n")
+'"""
+COUNT = "find /testbed/deep -name f | wc -l"
+
+
+async def _every_tool_answers(box: WorkspaceSandbox) -> None:
+    """Each tool returns an Outcome on the deep tree (an error where the path is too long)."""
+    assert await out(box, COUNT) == "1\n"
+    long_path = "/testbed/deep/" + "d/" * DEPTH + "f"
+    for call in (
+        ToolCall("read_file", {"path": long_path}),
+        ToolCall("write_file", {"path": long_path, "content": "x"}),
+        ToolCall("list_dir", {"path": long_path[:-2]}),
+    ):
+        outcome = await box.execute(call)
+        assert outcome.error or "error" in outcome.output, (call.tool, outcome)
+    listed = await box.execute(ToolCall("list_dir", {"path": "/testbed/deep"}))
+    assert listed.output == {"entries": ["d/"]}, listed
+
+
+def test_a_tree_deeper_than_any_recursion_and_paths_past_path_max(base: Path, mode: str) -> None:
+    async def main() -> None:
+        boxes = WorkspaceSandboxes(base, isolation=mode)  # type: ignore[arg-type]
+        try:
+            box = await boxes.create()
+            await bash(box, DEEP)
+            await _every_tool_answers(box)
+            snap = await box.snapshot()
+            await _every_tool_answers(box)  # the sandbox goes on over its own snapshot
+            await bash(box, "rm -rf /testbed/deep")
+            assert await out(box, "ls /testbed/deep 2>&1 | wc -l; echo ok") == "1\nok\n"
+            other = await boxes.restore(snap)
+            await _every_tool_answers(other)
+            again = await other.snapshot()  # a snapshot of a restored deep tree, for the merge below
+            await boxes.restore(again)
+        finally:
+            await boxes.close()  # removes every layer and copy of the deep tree, and must not raise
+
+    run(main())
+
+
+# A process that leaves a deep tree in its sandboxes' layers and copies, then is killed.
+KILLED = """
+import asyncio, os, signal, sys
+from tvcache import ToolCall
+from tvcache.sandboxes.workspace import WorkspaceSandboxes
+
+async def main():
+    boxes = WorkspaceSandboxes(sys.argv[1], tmp=sys.argv[2], isolation=sys.argv[3])
+    box = await boxes.create()
+    await box.execute(ToolCall("bash", {"command": sys.argv[4]}))
+    await box.snapshot()
+    print(boxes._run.path, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+def test_the_next_factory_removes_the_deep_tree_a_killed_process_left(base: Path, mode: str) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="tvcache-hostile-", dir="/dev/shm"))
+    try:
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", KILLED, str(base), str(tmp), mode, DEEP], capture_output=True, text=True, env=env
+        )
+        run_dir = Path(proc.stdout.strip())
+        assert proc.returncode == -9 and run_dir.is_dir(), proc.stderr[-2000:]
+
+        async def main() -> None:
+            async with WorkspaceSandboxes(base, tmp=tmp, isolation=mode) as boxes:  # type: ignore[arg-type]
+                assert not os.path.lexists(run_dir)  # noqa: ASYNC240
+                box = await boxes.create()
+                assert await out(box, "echo fine") == "fine\n"
+
+        run(main())
+    finally:
+        remove_tree(tmp)
+
+
+def test_a_snapshot_freezes_a_racer_left_in_the_sandboxs_cgroup(base: Path) -> None:
+    """As if a process had outlived its command: the racer joins the sandbox's cgroup, which a snapshot freezes
+    (cgroup.freeze), so every copy sees a tree nothing changes and succeeds (unfrozen, most fail mid-copy)."""
+    usable("overlay")
+    host = Path(tempfile.mkdtemp(prefix="tvcache-host-", dir="/dev/shm"))
+    (host / "secret").write_bytes(b"host secret")
+    (host / "dir").mkdir()
+
+    async def main() -> None:
+        async with WorkspaceSandboxes(base, isolation="overlay") as boxes:
+            box = await boxes.create()
+            await bash(box, RACE_SETUP.format(pairs=PAIRS, host=host))
+            cgroup = box._cgroup
+            if cgroup is None or cgroup.core is None:
+                pytest.skip("no cgroup2 group to freeze here")
+            for _ in range(3):
+                racer = _start_racer(_race_dir(box))
+                try:
+                    (cgroup.core / "cgroup.procs").write_text(str(racer.pid))
+                    await box.snapshot()  # raises SandboxError if the tree changed during the copy
+                    assert racer.poll() is None, "the racer died: it froze nothing"
+                finally:
+                    racer.kill()
+                    racer.wait()
+                await bash(box, "rm -rf /testbed/race && " + RACE_SETUP.format(pairs=PAIRS, host=host))
 
     try:
         run(main())
