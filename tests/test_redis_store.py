@@ -469,33 +469,3 @@ def test_a_cluster_node_that_dies_fails_its_scopes_and_ping_with_store_errors() 
         asyncio.run(main())
     finally:
         doomed.stop()
-
-
-def test_the_lua_scripts_are_package_data_in_the_wheel(tmp_path: Any) -> None:
-    """The scripts are .lua files next to the module; a wheel built from this checkout carries every one."""
-    import zipfile
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    scripts = {p.name for p in (root / "src" / "tvcache" / "stores" / "redis_lua").glob("*.lua")}
-    assert len(scripts) >= 12
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "-q",
-            "-w",
-            tmp_path,
-            root,
-        ],
-        check=True,
-        capture_output=True,
-    )
-    (wheel,) = Path(tmp_path).glob("tvcache-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert {n.rpartition("/")[2] for n in names if n.startswith("tvcache/stores/redis_lua/")} == scripts

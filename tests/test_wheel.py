@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -29,24 +30,25 @@ def run(*argv: str | Path, cwd: Path, env: dict[str, str] | None = None) -> subp
     return result
 
 
+def build_wheel(tmp_path: Path) -> Path:
+    """The wheel of this checkout, built offline into `tmp_path`/dist."""
+    dist = tmp_path / "dist"
+    pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q"]
+    run(*pip, "-w", dist, ROOT, cwd=tmp_path)
+    (wheel,) = dist.glob("tvcache-*.whl")
+    return wheel
+
+
+def test_the_redis_stores_lua_scripts_are_package_data_of_the_wheel(tmp_path: Path) -> None:
+    scripts = {p.name for p in (ROOT / "src" / "tvcache" / "stores" / "redis_lua").glob("*.lua")}
+    assert len(scripts) >= 12
+    names = zipfile.ZipFile(build_wheel(tmp_path)).namelist()
+    assert {n.rpartition("/")[2] for n in names if n.startswith("tvcache/stores/redis_lua/")} == scripts
+
+
 @pytest.mark.slow
 def test_the_installed_wheel_runs_the_main_job_from_an_empty_directory(tmp_path: Path) -> None:
-    dist = tmp_path / "dist"
-    run(
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "--no-deps",
-        "--no-build-isolation",
-        "--no-index",
-        "-q",
-        "-w",
-        dist,
-        ROOT,
-        cwd=tmp_path,
-    )
-    (wheel,) = dist.glob("tvcache-*.whl")
+    wheel = build_wheel(tmp_path)
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--system-site-packages", venv, cwd=tmp_path)
     run(venv / "bin" / "python", "-m", "pip", "install", "--no-index", "-q", f"{wheel}[bench]", cwd=tmp_path)
