@@ -6,6 +6,7 @@ works here; each failed before its fix.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -337,3 +338,19 @@ def test_a_snapshot_freezes_a_racer_left_in_the_sandboxs_cgroup(base: Path) -> N
         run(main())
     finally:
         shutil.rmtree(host)
+
+
+def test_file_tools_honour_max_output_on_a_huge_directory(base: Path, mode: str) -> None:
+    async def main() -> None:
+        async with WorkspaceSandboxes(base, isolation=mode, max_output=4096) as boxes:  # type: ignore[arg-type]
+            box = await boxes.create()
+            await bash(box, "mkdir /testbed/many && cd /testbed/many && touch $(seq -f 'file-%05g' 5000) && mkdir sub")
+            listed = (await box.execute(ToolCall("list_dir", {"path": "/testbed/many"}))).output
+            assert len(json.dumps(listed)) <= 4096 + 200, len(json.dumps(listed))
+            names = sorted([f"file-{i:05d}" for i in range(1, 5001)] + ["sub/"])
+            shown = listed["entries"]
+            assert shown == names[: len(shown)] and listed["omitted"] == len(names) - len(shown), listed
+            small = await box.execute(ToolCall("list_dir", {"path": "/testbed"}))
+            assert small.output == {"entries": ["README", "data/", "many/", "src/"]}, small
+
+    run(main())

@@ -607,7 +607,7 @@ class DockerSandbox(ManagedSandbox):
         elif tool == "write_file":
             output = fast.write_file(root, self._state.cwd, args["path"], args["content"])
         else:
-            output = fast.list_dir(root, self._state.cwd, args["path"])
+            output = fast.list_dir(root, self._state.cwd, args["path"], self._f.max_output)
         if not os.path.ismount(root):  # the container went away under us: the answer may be about nothing
             self._dead = "its filesystem was unmounted (the container stopped)"
             raise SandboxError(f"docker sandbox {self.id[:12]} is unusable: {self._dead}")

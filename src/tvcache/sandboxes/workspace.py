@@ -482,7 +482,7 @@ class WorkspaceSandbox(ManagedSandbox):
             elif tool == "write_file":
                 output = fast.write_file(root, state.cwd, args["path"], args["content"])
             else:
-                output = fast.list_dir(root, state.cwd, args["path"])
+                output = fast.list_dir(root, state.cwd, args["path"], self._ctx.max_output)
             if failure is None and tool != "read_file" and tool != "list_dir" and self._fs.full():
                 failure = f"the sandbox's disk quota ({_size(self._ctx.isolation.disk)}) is full"
             changed = await self._fs.changed() or state != self._state
