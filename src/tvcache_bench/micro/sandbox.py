@@ -11,11 +11,17 @@ given), it measures in one run, each as a median over repetitions:
 - `cp -a` of the base into the same tmp directory, the copy-based fork it replaces.
 
 Targets: snapshot and restore each under 5 ms and at least 100 times faster than `cp -a`.
+
+Then, what a sandbox's size costs the host (issue 19): the same calls in a sandbox holding `MANY_FILES` files it
+wrote itself (200,000) and in one holding a single file, each after one file changed, as the ratio of the two:
+a trivial command (which includes change detection), change detection alone, a snapshot; this process's RSS
+before and after; and the JSON size of `list_dir` on the big directory against `max_output`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import statistics
@@ -29,10 +35,10 @@ from rich.console import Console
 from rich.table import Table
 
 from tvcache.calls import ToolCall
-from tvcache.sandboxes.reclaim import scratch_dir
+from tvcache.sandboxes.reclaim import scratch, scratch_dir
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
-__all__ = ["DEFAULT_BASE", "main", "make_base", "print_table", "run"]
+__all__ = ["DEFAULT_BASE", "main", "make_base", "print_many", "print_table", "run", "run_many"]
 
 DEFAULT_BASE = Path("/var/tmp/tvcache-bench-base-300m")
 FILES, DIRS, FILE_SIZE = 6000, 60, 50_000  # 300 MB
@@ -169,6 +175,97 @@ async def run(base: str | None = None, *, repeats: int = REPEATS, copy_repeats: 
     }
 
 
+MANY_FILES = 200_000
+MANY_REPEATS = 5
+_MAKE_MANY = """python3 -c '
+import os
+os.makedirs("/testbed/many", exist_ok=True)
+for i in range({n}):
+    open(f"/testbed/many/f{{i}}", "w").close()
+'"""
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def run_many(files: int = MANY_FILES, *, repeats: int = MANY_REPEATS) -> dict[str, Any]:
+    """What a sandbox of `files` files costs next to one of a single file, after one file changed (ms)."""
+    touch = ToolCall("bash", {"command": "echo x >> /testbed/many/f0"})
+    true = ToolCall("bash", {"command": "true"})
+    figures: dict[str, dict[str, float]] = {}
+    rss: dict[str, float] = {}
+    with scratch("bench-many") as base:
+        async with WorkspaceSandboxes(base) as boxes:
+            small, big = await boxes.create(), await boxes.create()
+            await small.execute(ToolCall("bash", {"command": _MAKE_MANY.format(n=1)}))
+            rss["before"] = _rss_mib()
+            await big.execute(ToolCall("bash", {"command": _MAKE_MANY.format(n=files)}))
+            for box in (small, big):
+                await box.snapshot()  # the first snapshot of the files themselves is not the point
+            rss["after"] = _rss_mib()
+            for name, box in (("small", small), ("big", big)):
+
+                async def changed_once(b: Any) -> None:
+                    await b.execute(touch)
+
+                async def the_box(b: Any = box) -> Any:
+                    return b
+
+                async def detect(b: Any) -> None:
+                    await b._fs.changed()
+
+                async def touched(b: Any = box) -> Any:
+                    await b.execute(touch)
+                    return b
+
+                async def snapshot(b: Any) -> None:
+                    await b.snapshot()
+
+                async def trivial(b: Any) -> None:
+                    await b.execute(true)
+
+                figures[f"a trivial command ({name})"] = _summary(await _timed(repeats, the_box, trivial))
+                figures[f"change detection ({name})"] = _summary(await _timed(repeats, touched, detect))
+                figures[f"snapshot, one file changed ({name})"] = _summary(await _timed(repeats, touched, snapshot))
+            listed = await big.execute(ToolCall("list_dir", {"path": "/testbed/many"}))
+            list_bytes = len(json.dumps(listed.output))
+    ratios = {
+        what: figures[f"{what} (big)"]["median_ms"] / max(figures[f"{what} (small)"]["median_ms"], 1e-6)
+        for what in ("a trivial command", "change detection", "snapshot, one file changed")
+    }
+    return {
+        "files": files,
+        "figures": figures,
+        "big_over_small": ratios,
+        "rss_mib": rss,
+        "list_dir_bytes": list_bytes,
+        "max_output": boxes.max_output,
+    }
+
+
+def print_many(result: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"A sandbox of {result['files']:,} files next to one of 1 file, one file changed each time")
+    for column in ("operation", f"{result['files']:,} files", "1 file", "ratio"):
+        table.add_column(column, justify="left" if column == "operation" else "right")
+    figures = result["figures"]
+    for what, ratio in result["big_over_small"].items():
+        big, small = figures[f"{what} (big)"], figures[f"{what} (small)"]
+        table.add_row(what, f"{big['median_ms']:.2f} ms", f"{small['median_ms']:.2f} ms", f"{ratio:.1f}x")
+    console.print(table)
+    rss = result["rss_mib"]
+    console.print(
+        f"This process's RSS: {rss['before']:.0f} MiB before the {result['files']:,} files, {rss['after']:.0f} MiB "
+        f"after (+{rss['after'] - rss['before']:.1f} MiB). list_dir of them: {result['list_dir_bytes']:,} bytes "
+        f"of JSON with max_output {result['max_output']:,}."
+    )
+
+
 def print_table(result: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     table = Table(
@@ -195,4 +292,6 @@ async def main(base: str | None = None) -> dict[str, Any]:
     """Run the benchmark, print its table, and return the figures."""
     result = await run(base)
     print_table(result)
+    result["many_files"] = await run_many()
+    print_many(result["many_files"])
     return result
