@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -352,10 +353,13 @@ def test_no_process_outlives_its_command(base: Path, mode: str) -> None:
 
 
 def test_fork_bomb_is_contained(base: Path, mode: str) -> None:
+    # A name of this test's own: other processes (a pytest -k fork_bomb, a concurrent run) must not count.
+    bomb = f"bomb_{uuid.uuid4().hex}"
+
     async def main() -> None:
         async with factory_for(base, mode, timeout=4.0, max_processes=200) as boxes:
             box = await boxes.create()
-            command = "bomb() { bomb | bomb & }; bomb; sleep 1; echo survived"
+            command = f"{bomb}() {{ {bomb} | {bomb} & }}; {bomb}; sleep 1; echo survived"
             outcome = await box.execute(ToolCall("bash", {"command": command}))
             assert isinstance(outcome.output, dict)
             if box._cgroup is not None:  # capped by the sandbox's pids cgroup, else only by the timeout
@@ -365,7 +369,7 @@ def test_fork_bomb_is_contained(base: Path, mode: str) -> None:
     run(main())
     # The host can still start processes, and none of the bomb's are left.
     assert subprocess.run(["true"]).returncode == 0
-    assert not _host_processes_with("bomb")
+    assert not _host_processes_with(bomb)
 
 
 def test_network_is_cut_unless_asked_for(base: Path, mode: str) -> None:
