@@ -130,11 +130,10 @@ class Context:
     rollouts: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     closed: bool = False
 
-    @property
-    def claims_in_process(self) -> bool:
-        """Whether the store's claiming lookups take their claim in this process, after their last `await`
-        (memory, SQLite), so a cancelled lookup cannot have taken one."""
-        return isinstance(self.store, EmbeddedEntries)
+    def __post_init__(self) -> None:
+        #: Whether the store's claiming lookups take their claim in this process, after their last `await`
+        #: (memory, SQLite), so a cancelled lookup cannot have taken one.
+        self.claims_in_process = isinstance(self.store, EmbeddedEntries)
 
     def check_open(self) -> None:
         if self.closed:

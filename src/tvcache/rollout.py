@@ -172,7 +172,8 @@ class Rollout:
         self._check_usable("call()")
         call = self._tools.call(tool, args)
         async with self._lock:
-            self._check_usable("call()")
+            if self._closed or self._ctx.closed:  # closed while this call waited for the one before
+                self._check_usable("call()")
             self._ctx.stats.calls += 1
             self.stats.calls += 1
             if self._detached:
@@ -238,30 +239,31 @@ class Rollout:
     async def _lookup(self, call: ToolCall) -> tuple[Entry, Source] | str:
         """The entry at the cursor and how it was found, or a claim token of ours to execute the call under."""
         store, scope_key, node, ttl = self._ctx.store, self._scope_key, self.cursor, self._ctx.claim_ttl
-
-        async def release(found: Entry | Claim | None) -> None:  # a claim won by a lookup whose caller is gone
-            if isinstance(found, Claim) and found.token is not None:
-                await store.release(scope_key, node, call.digest, found.token)
-
-        async def claiming_lookup() -> Entry | Claim | None:
-            lookup = store.lookup(scope_key, node, call.digest, ttl)
-            with self._ctx.stats.timing("store"):
-                if self._ctx.claims_in_process:  # taken after the lookup's last await: never parted from its caller
-                    return await lookup
-                return await self._ctx.tasks.acquire(lookup, release)  # a task: dear next to a hit, not a round trip
-
-        found = await claiming_lookup()
+        found = await self._claiming_lookup(node, call.digest)
         while isinstance(found, Claim) and found.token is None:
             self._ctx.stats.waits += 1  # another rollout is executing this very call: wait for its entry
             with self._ctx.stats.timing("waiting"):
                 entry = await store.wait(scope_key, node, call.digest, ttl)
             if entry is not None:
                 return entry, "waited"
-            found = await claiming_lookup()  # its claim ended without an entry
+            found = await self._claiming_lookup(node, call.digest)  # its claim ended without an entry
         if found is None:
             raise StoreError("the store neither found nor claimed a call it was asked to claim")
         self._ctx.health.answered()
         return (found, found.kind) if isinstance(found, Entry) else str(found.token)
+
+    async def _claiming_lookup(self, node: bytes, digest: bytes) -> Entry | Claim | None:
+        ctx, scope_key = self._ctx, self._scope_key
+        lookup = ctx.store.lookup(scope_key, node, digest, ctx.claim_ttl)
+        with ctx.stats.timing("store"):
+            if ctx.claims_in_process:  # taken after the lookup's last await: never parted from its caller
+                return await lookup
+
+            async def release(found: Entry | Claim | None) -> None:  # a claim won by a lookup whose caller is gone
+                if isinstance(found, Claim) and found.token is not None:
+                    await ctx.store.release(scope_key, node, digest, found.token)
+
+            return await ctx.tasks.acquire(lookup, release)  # a task: dear next to a hit, not next to a round trip
 
     def _hit(self, call: ToolCall, entry: Entry, source: Source, start: float) -> Result | None:
         """The result of a recorded entry; None (counted as a store error) if the entry does not decode."""
