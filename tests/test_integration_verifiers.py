@@ -48,6 +48,8 @@ PLANS = [
     [[edit("no such text", "x")]],  # an edit that fails, with the harness's message; ends as plan 1
     [[bash("sed -i 's/-/_/' slug.py && python3 -c 'import slug; print(slug.slugify(\"A B\"))'")]],  # 0 of 3
     [[bash("rm slug.py"), bash("ls")]],  # two calls in one turn; the project is gone: 0
+    [[bash("echo out1; echo err1 >&2; echo out2; exit 3")]],  # the harness shows stdout, then stderr; ends as plan 1
+    [[bash("printf 'a\\r\\nb\\rc'; printf '\\xff' >&2")]],  # universal newlines; stderr that is not UTF-8
 ]
 FINAL_STATES = 4  # fixed, untouched, underscored, removed
 
@@ -70,9 +72,11 @@ def test_verifiers_rollouts_through_tvcache_match_verifiers_alone_and_hit_later(
     alone, epochs = asyncio.run(main())
     oracle = {plan_of(first_answer(t)): t for t in alone}
     assert all(t.ok for t in alone), [t.errors for t in alone]
-    assert [oracle[k].reward for k in range(len(PLANS))] == [1.0, 1 / 3, 1.0, 1 / 3, 1.0, 1 / 3, 0.0, 0.0]
+    assert [oracle[k].reward for k in range(len(PLANS))] == [1.0, 1 / 3, 1.0, 1 / 3, 1.0, 1 / 3, 0.0, 0.0, 1 / 3, 1 / 3]
     assert tool_results(oracle[3])[0].startswith("error: invalid JSON in tool arguments")
     assert tool_results(oracle[4])[0].strip() == "100000"
+    assert tool_results(oracle[8]) == ["out1\nout2\nerr1\n"]
+    assert tool_results(oracle[9])[0].startswith("error: 'utf-8' codec can't decode byte 0xff")
 
     for epoch, traces in enumerate(epochs):
         assert all(t.ok for t in traces), [t.errors for t in traces]
@@ -142,6 +146,60 @@ def test_a_harness_that_does_not_consult_the_tool_gate_is_refused() -> None:
 
     async def main() -> None:
         with pytest.raises(vf.TaskError, match="tool gate"):
+            await task.setup(trace, None)
+
+    asyncio.run(main())
+
+
+COMMANDS = [
+    "echo out1; echo err1 >&2; echo out2; exit 3",
+    "printf 'a\\r\\nb\\rc'",
+    "printf 'ok'; printf '\\xfe' >&2",
+    "cd /tmp; export X=1; echo $X",
+    "echo ${X:-unset}; pwd",
+]
+
+
+def test_the_bash_tool_answers_as_the_harness_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness's own `run_bash` (verifiers.v1.harnesses.utils.core), executed here, next to the same commands
+    through a rollout; its 3,600 s timeout is shortened to one second on both sides to see the message."""
+    import subprocess
+
+    from verifiers.v1.harnesses.utils import core
+
+    from tvcache.integrations import verifiers as integration
+
+    monkeypatch.chdir("/")  # the harness's working directory, as the rollout's
+    expected = [core.run_bash(command) for command in COMMANDS]
+    expected.append(f"error: {subprocess.TimeoutExpired(['bash', '-c', 'sleep 5'], 1)}")
+    monkeypatch.setattr(integration, "HARNESS_TIMEOUT", 1)
+
+    async def main() -> list[str]:
+        boxes = tvcache.WorkspaceSandboxes(tempfile.mkdtemp(), network=False, timeout=30)
+        async with tvcache.ToolCache() as cache:
+            rollout = await cache.open("harness", boxes)
+            opened = integration._Open(rollout, lambda: None, "/")  # type: ignore[arg-type]
+            try:
+                return [await integration._run_tool(opened, "bash", {"command": c}) for c in [*COMMANDS, "sleep 5"]]
+            finally:
+                await rollout.close()
+                await boxes.close()
+
+    assert asyncio.run(main()) == expected
+    assert expected[0] == "out1\nout2\nerr1\n" and expected[1] == "a\nb\nc"
+
+
+def test_a_harness_that_gates_other_tools_is_refused_at_setup() -> None:
+    task = example.task(cached=True)
+    config = vf.AgentConfig(model="m", harness={"id": "codex"}, runtime=vf.SubprocessConfig())
+    trace = vf.Trace(
+        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        state=vf.State(),
+        agent=vf.AgentInfo(config=config),
+    )
+
+    async def main() -> None:
+        with pytest.raises(vf.TaskError, match="gates tools other than"):
             await task.setup(trace, None)
 
     asyncio.run(main())

@@ -42,7 +42,6 @@ Install the cookbook with `pip install 'tvcache[tinker]'`; this module imports n
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import itertools
 import os
@@ -55,6 +54,7 @@ from ..cache import ToolCache
 from ..calls import ToolCall, Tools
 from ..rollout import Result, Rollout
 from ..sandboxes.base import Outcome, Sandbox, Sandboxes
+from . import streams
 from .process import process_cache
 
 __all__ = ["CommandResult", "CommandSandboxes", "SandboxFactory", "TvcacheSandbox", "harbor_task", "sandbox_factory"]
@@ -249,44 +249,30 @@ class CommandSandbox:
         if outcome.error:  # the inner sandbox gave up on it (its own timeout, a crash): Modal's exec error
             why = shell.get("error", "the sandbox failed the command")
             return Outcome({"stdout": "", "stderr": str(why), "exit_code": TIMED_OUT}, outcome.changed, True)
-        lines = str(shell.get("output", "")).removesuffix("\n").split("\n")  # the last two may be empty
-        try:
-            timed_out, code = lines[-3].split()
-            stdout, stderr = (base64.b64decode(line, validate=True) for line in lines[-2:])
-        except (IndexError, ValueError, binascii.Error):
+        captured = streams.parse(str(shell.get("output", "")))
+        if captured is None:
             why = "run_command's output did not come back whole: raise the shell sandbox's max_output"
             return Outcome({"stdout": "", "stderr": why, "exit_code": TIMED_OUT}, outcome.changed, True)
         output = {
-            "stdout": stdout.decode("utf-8", errors="replace"),
-            "stderr": stderr.decode("utf-8", errors="replace"),
-            "exit_code": TIMED_OUT if timed_out == "1" else int(code),
+            "stdout": captured.stdout.decode("utf-8", errors="replace"),
+            "stderr": captured.stderr.decode("utf-8", errors="replace"),
+            "exit_code": TIMED_OUT if captured.timed_out else captured.exit_code,
         }
-        return Outcome(output, outcome.changed, timed_out == "1")
+        return Outcome(output, outcome.changed, captured.timed_out)
 
 
 def _script(args: dict[str, Any]) -> str:
-    """The shell code of one `run_command`, in a subshell so that nothing it does to the shell carries over: the
-    command's streams to files, then a line `<timed out 0/1> <exit code>` and each stream, cut and base64-encoded."""
+    """The shell code of one `run_command`: Modal's `bash -lc <command>` in `workdir`, in a subshell so that nothing
+    it does to the shell carries over. Modal leaves a command's stdin open (a command reading it waits until its
+    timeout), unless content is sent, which write_file stages in a file first."""
     seconds = int(args["timeout"])
+    staged = args.get("stdin")
+    stdin = f"< <(base64 -d {shlex.quote(staged)})" if staged else f"< <(exec sleep {seconds + 5} 2>/dev/null 3>&-)"
     cap = int(args.get("cap") or STREAM_CAP)
-    stdin = f"base64 -d {shlex.quote(args['stdin'])} |" if args.get("stdin") else ""
-    cleanup = f" {shlex.quote(args['stdin'])}" if args.get("stdin") else ""
+    code = streams.script("bash -lc", str(args["command"]), seconds, cap=cap, stdin=stdin)
     workdir = shlex.quote(args["workdir"]) if args.get("workdir") else "."
-    # Modal leaves a command's stdin open (a command reading it waits until its timeout), unless content is sent.
-    feed = "" if stdin else f"< <(exec sleep {seconds + 5})"
-    run = f"{stdin} timeout -s KILL {seconds} bash -lc {shlex.quote(str(args['command']))}"
-    return f"""(__o=$(mktemp) && __e=$(mktemp) || exit 125
-__t=0
-if cd -- {workdir} 2>"$__e"; then
-  __s=$SECONDS
-  {run} >"$__o" 2>>"$__e" {feed}
-  __c=$?
-  if [ "$__c" -eq 137 ] && [ $((SECONDS - __s)) -ge {seconds} ]; then __t=1; fi
-else
-  __c=-1
-fi
-printf '\\n%s %s\\n' "$__t" "$__c"
-head -c {cap} "$__o" | base64 -w0; echo
-head -c {cap} "$__e" | base64 -w0; echo
-rm -f "$__o" "$__e"{cleanup}
+    cleanup = f"\nrm -f {shlex.quote(staged)}" if staged else ""
+    return f"""(if cd -- {workdir} 2>/dev/null; then
+{code}
+else printf '\\n0 -1 \\n%s\\n' "$(printf 'cd: %s: No such file or directory' {workdir} | base64 -w0)"; fi{cleanup}
 )"""

@@ -57,12 +57,17 @@ from ..cache import ToolCache  # noqa: E402
 from ..calls import Tools  # noqa: E402
 from ..rollout import Result, Rollout  # noqa: E402
 from ..sandboxes.base import Sandboxes  # noqa: E402
+from . import streams  # noqa: E402
 from .process import process_cache  # noqa: E402
 
 __all__ = ["CachedRuntime", "CachedTask"]
 
+#: The bash harness's per-command timeout (verifiers.v1.harnesses.utils.core.run_bash).
+HARNESS_TIMEOUT = 3600
 #: The harness tools `CachedTask` executes (the bundled bash harness's names).
 HARNESS_TOOLS = frozenset({"bash", "edit"})
+#: Harnesses whose every gated tool is one of HARNESS_TOOLS (null has none); others are refused at setup.
+SERVED_HARNESSES = frozenset({"bash", "null"})
 
 # The bash harness's `edit`, run inside the sandbox so that files of any size are edited whole. Its arguments
 # arrive base64-encoded JSON in argv; its messages are the harness's.
@@ -145,6 +150,12 @@ class CachedTask(vf.Task):
                 f"harness {harness.id!r} does not consult verifiers' tool gate, so its tool calls cannot run "
                 "through tvcache; use a harness that does (bash, null, codex, claude_code, pi, kimi_code)"
             )
+        if harness is not None and harness.id not in SERVED_HARNESSES:
+            raise vf.TaskError(
+                f"harness {harness.id!r} gates tools other than {sorted(HARNESS_TOOLS)}, which tvcache does not serve: "
+                "their calls would run in the harness's runtime, which never got the task's sandbox state; use the "
+                f"bash harness (tvcache serves {', '.join(sorted(SERVED_HARNESSES))})"
+            )
         sandboxes = self.tvcache_sandboxes()
         rollout = await self.tvcache_cache().open(self.tvcache_task(), sandboxes, self.tvcache_tools)
         _open[trace.id] = _Open(rollout, weakref.ref(trace), getattr(sandboxes, "cwd", None))
@@ -218,10 +229,31 @@ async def _run_tool(opened: _Open, name: str, args: dict[str, Any]) -> str:
         command = args.get("command", "")
         if not isinstance(command, str):
             return f"error: the command must be a string, got {type(command).__name__}"
-        return _text(await opened.call("bash", {"command": _from_workdir(opened.workdir, command)}))
+        code = streams.script("bash -c", command, HARNESS_TIMEOUT)
+        return _harness_bash(await opened.call("bash", {"command": _from_workdir(opened.workdir, code)}), command)
     encoded = base64.b64encode(json.dumps(args).encode()).decode()
     edit = f"python3 -c {shlex.quote(_EDIT)} {encoded}"
     return _text(await opened.call("bash", {"command": _from_workdir(opened.workdir, edit)}))
+
+
+#: The bash harness's per-command timeout (verifiers.v1.harnesses.utils.core.run_bash).
+HARNESS_TIMEOUT = 3600
+
+
+def _harness_bash(result: Result, command: str) -> str:
+    """What the harness's `run_bash` answers: stdout then stderr, decoded as `subprocess.run(text=True)` decodes
+    them (UTF-8, universal newlines), or `error: ...` for a timeout or output that does not decode."""
+    out = result.output
+    captured = streams.parse(str(out.get("output", ""))) if isinstance(out, dict) and not result.error else None
+    if captured is None:
+        return _text(result)  # the sandbox failed the command (its own timeout), or the working directory is gone
+    if captured.timed_out:
+        return f"error: Command '{['bash', '-c', command]}' timed out after {HARNESS_TIMEOUT} seconds"
+    try:
+        decoded = [s.decode().replace("\r\n", "\n").replace("\r", "\n") for s in (captured.stdout, captured.stderr)]
+    except UnicodeDecodeError as exc:
+        return f"error: {exc}"
+    return decoded[0] + decoded[1]
 
 
 def _from_workdir(workdir: str | None, command: str) -> str:
