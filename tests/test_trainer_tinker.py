@@ -190,16 +190,7 @@ async def run_group(
     task: HarborTask, factory: Any, tokenizer: Any, plans: list[list[str]] = PLANS
 ) -> tuple[list[float], list[list[str]], Any]:
     """One group of the recipe's environments, each stepped through its plan; rewards and tool outputs."""
-    builder = HarborEnvGroupBuilder(
-        task=task,
-        model_name=TOKENIZER,
-        renderer_name="qwen3_instruct",
-        max_turns=4,
-        group_size=len(plans),
-        command_timeout=COMMAND_TIMEOUT,
-        grader_timeout=30,
-        sandbox_factory=factory,
-    )
+    builder = group_builder(task, plans, factory)
     envs = await builder.make_envs()
     rewards, outputs = [], []
     try:
@@ -270,7 +261,7 @@ def test_the_factory_pickles_and_rolls_out_in_the_cookbooks_process_pool(task: H
     assert groups[1][1] == groups[1][2] > 0  # the second group, in another event loop, hit every call
 
 
-def group_builder(task: HarborTask, plans: list[list[str]]) -> HarborEnvGroupBuilder:
+def group_builder(task: HarborTask, plans: list[list[str]], factory: Any = None) -> HarborEnvGroupBuilder:
     return HarborEnvGroupBuilder(
         task=task,
         model_name=TOKENIZER,
@@ -279,7 +270,7 @@ def group_builder(task: HarborTask, plans: list[list[str]]) -> HarborEnvGroupBui
         group_size=len(plans),
         command_timeout=COMMAND_TIMEOUT,
         grader_timeout=30,
-        sandbox_factory=sandbox_factory(workspace),
+        sandbox_factory=factory or sandbox_factory(workspace),
     )
 
 
