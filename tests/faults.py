@@ -32,6 +32,8 @@ class FaultyBox:
         return await self.inner.execute(call)
 
     async def snapshot(self) -> str:
+        if self.factory.snapshot_gate is not None:  # a snapshot that takes as long as the test says
+            await self.factory.snapshot_gate.wait()
         snapshot_id = await self.inner.snapshot()
         self.factory.snapshots.append(snapshot_id)
         return str(snapshot_id)
@@ -47,6 +49,7 @@ class FaultySandboxes:
     def __init__(self, inner: Any):
         self.inner = inner
         self.fault: Callable[[ToolCall], str | None] | None = None
+        self.snapshot_gate: asyncio.Event | None = None
         self.open: set[FaultyBox] = set()
         self.deleted: list[str] = []
         self.snapshots: list[str] = []  # every snapshot its sandboxes made

@@ -52,6 +52,10 @@ class ToolCache:
     pings the store before the first rollout starts and raises `StoreError` if it does not answer (`await
     cache.check()` does the same at any time).
 
+    `background_snapshots=True` takes a snapshot after the call that reached its state has answered, while the
+    model generates its next turn, instead of before answering: the answer's latency no longer includes it. The
+    rollout's next miss (or its close) waits for it; hits do not. `close()` waits for the snapshots under way.
+
     Its life is httpx's client's: usable once made, `async with` it (once) to have it closed at the end; after
     `close()` every method but `stats()` raises `RuntimeError`, and closing again does nothing. Closing cancels
     its background work (prefetch, claim refreshes), closes its open rollouts (waiting for a call in progress),
@@ -72,6 +76,7 @@ class ToolCache:
         warm_limit: int = 64,
         on_store_error: OnStoreError = "continue",
         check_store: bool = False,
+        background_snapshots: bool = False,
     ):
         if store is not None and url is not None:
             raise ValueError("pass a store URL or a Store object, not both")
@@ -90,6 +95,7 @@ class ToolCache:
             snapshot_budget=snapshot_budget,
             max_output_bytes=max_output_bytes,
             on_store_error=on_store_error,
+            background_snapshots=background_snapshots,
             tasks=tasks,
         )
         self._state = State.UNOPENED

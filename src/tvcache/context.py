@@ -121,6 +121,7 @@ class Context:
     snapshot_budget: int
     max_output_bytes: int
     on_store_error: OnStoreError = "continue"
+    background_snapshots: bool = False  # take snapshots after the call answered (`LiveSandbox.maybe_snapshot`)
     factories: Factories = field(default_factory=Factories)
     health: StoreHealth = field(default_factory=StoreHealth)
     tasks: TaskGroup = field(default_factory=TaskGroup)

@@ -11,6 +11,7 @@ deterministic, and the caller learns that the state it now holds is the sandbox'
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -92,6 +93,7 @@ class LiveSandbox:
         self._depth = 0  # how many of the history's edges the sandbox has applied
         self._snapshot_depth = 0  # the deepest depth known to hold a snapshot (0: the fresh root)
         self._snapshot_failures = 0
+        self._saving: asyncio.Task[None] | None = None  # a snapshot being taken after its call answered
 
     @property
     def exists(self) -> bool:
@@ -103,6 +105,7 @@ class LiveSandbox:
         `use_store=False` (the store is down, or the rollout records nothing) rules out restoring snapshots.
         Every sandbox and lease it obtains is owned (assigned to the live sandbox, or released) before the next
         `await`, so cancelling it at any point leaks nothing."""
+        await self._saved()
         target = len(self._history)
         if self._box is not None and self._depth == target:
             return self._box, True
@@ -157,7 +160,13 @@ class LiveSandbox:
         create, then replay) would cost more than saving it now and restoring it then.
 
         Taking the snapshot and recording it (or deleting it) is one step that runs to its end even if the
-        caller is cancelled meanwhile: a snapshot the backend made is always either in the graph or deleted."""
+        caller is cancelled meanwhile: a snapshot the backend made is always either in the graph or deleted.
+
+        With `background_snapshots` the snapshot is taken off the critical path: the call that led here answers
+        at once, and the snapshot is taken while the model generates its next turn, in a task of the cache. Hits
+        go on meanwhile; whatever needs the sandbox (the next miss, `drop`) waits for the snapshot first, since
+        the sandbox must hold still while it is saved. Rollouts that waited for the call find the state in the
+        graph once it is recorded, and rebuild it (as from any other state) if they miss there before."""
         box = self._box
         if box is None or self._snapshot_failures >= MAX_SNAPSHOT_FAILURES:
             return
@@ -165,13 +174,31 @@ class LiveSandbox:
         rebuild = self._history.seconds(depth, base) + (self._costs.restore if base else self._costs.create)
         if should_snapshot(rebuild, self._costs):
             path = [self._history.root, *(s.node for s in self._history.steps)]
-            await self._ctx.tasks.settle(self._snapshot(box, path))
+            if self._ctx.background_snapshots:
+                self._saving = self._ctx.tasks.spawn(self._snapshot_in_background(box, path))
+            else:
+                with self._ctx.stats.timing("snapshotting"):
+                    await self._ctx.tasks.settle(self._snapshot(box, path))
+
+    async def _saved(self) -> None:
+        """Wait for a snapshot being taken of the sandbox (on the critical path now: counted as snapshotting)."""
+        saving = self._saving
+        if saving is not None and not saving.done():
+            with self._ctx.stats.timing("snapshotting"):
+                await asyncio.wait([saving])  # a cancelled waiter leaves the snapshot to finish (and pending)
+        self._saving = None
+
+    async def _snapshot_in_background(self, box: Sandbox, path: list[bytes]) -> None:
+        try:
+            with self._ctx.stats.timing("background"):
+                await self._snapshot(box, path)
+        except Exception as exc:  # nobody awaits this task: say what went wrong
+            log.warning("recording a snapshot failed: %r", exc)
 
     async def _snapshot(self, box: Sandbox, path: list[bytes]) -> None:
         t0 = time.perf_counter()
         try:
-            with self._ctx.stats.timing("snapshotting"):
-                snapshot_id = await box.snapshot()
+            snapshot_id = await box.snapshot()
         except SandboxError as exc:
             # The backend's word that the sandbox is as it was (no room for a layer, say): keep it, save no more.
             self._snapshot_failures = MAX_SNAPSHOT_FAILURES
@@ -180,18 +207,18 @@ class LiveSandbox:
         except Exception as exc:
             self._snapshot_failures += 1
             log.warning("snapshot failed (%s); this sandbox is closed and rebuilt on the next call", exc)
-            if self._box is box:
-                await self.drop()  # a failure the backend did not expect may have left the sandbox half-saved
+            if self._box is box:  # a failure the backend did not expect may have left the sandbox half-saved
+                self._box = None
+                await self._ctx.tasks.cleanup(box.close())
             return
         self._snapshot_failures = 0
         self._costs.measured_snapshot.add(time.perf_counter() - t0)
         stats, tasks = self._ctx.stats, self._ctx.tasks
         stats.snapshots += 1
         try:
-            with stats.timing("store"):
-                doomed = await self._ctx.store.add_snapshot(
-                    self._scope_key, self._origin, path, snapshot_id, self._ctx.snapshot_budget
-                )
+            doomed = await self._ctx.store.add_snapshot(
+                self._scope_key, self._origin, path, snapshot_id, self._ctx.snapshot_budget
+            )
         except StoreError as exc:
             await tasks.cleanup(self._sandboxes.delete(snapshot_id))  # the store never heard of it
             self._ctx.store_failed(exc, took_effect=True)
@@ -204,8 +231,14 @@ class LiveSandbox:
             await tasks.cleanup(self._sandboxes.delete(victim))
 
     async def drop(self) -> None:
+        """Close the sandbox; one being snapshotted is closed by a task of the cache once the snapshot is done."""
         box, self._box = self._box, None
-        if box is not None:
+        saving, self._saving = self._saving, None
+        if box is None:
+            return
+        if saving is not None and not saving.done():
+            self._ctx.tasks.cleanup_soon(_close_after(saving, box))
+        else:
             await self._ctx.tasks.cleanup(box.close())
 
     # -- routes ------------------------------------------------------------------------------------------
@@ -313,6 +346,11 @@ class _TakeAnotherRoute(Exception):
 
 
 async def _close(box: Sandbox) -> None:
+    await box.close()
+
+
+async def _close_after(saving: asyncio.Task[None], box: Sandbox) -> None:
+    await asyncio.wait([saving])
     await box.close()
 
 

@@ -301,7 +301,8 @@ class Rollout:
                 self._history.advance(call, blob, seconds)
                 self._live.applied()
                 # Before the entry lands: the rollouts waiting on this claim move to the new state with it, and
-                # their next miss there should find it saved rather than each rebuild it from scratch.
+                # their next miss there should find it saved rather than each rebuild it from scratch (unless
+                # snapshots are taken in the background, after the answer).
                 await self._live.maybe_snapshot()
             if len(blob) > self._ctx.max_output_bytes:
                 self._ctx.stats.uncached += 1

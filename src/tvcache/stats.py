@@ -11,7 +11,7 @@ from typing import Literal
 __all__ = ["Part", "Stats"]
 
 #: Where a call's time goes besides executing and replaying: the `seconds_<part>` counters `Stats.timing` adds to.
-Part = Literal["waiting", "creating", "restoring", "snapshotting", "store"]
+Part = Literal["waiting", "creating", "restoring", "snapshotting", "store", "background"]
 
 
 @dataclass
@@ -39,8 +39,10 @@ class Stats:
     seconds_waiting: float = 0.0  # for another rollout's identical call (single flight)
     seconds_creating: float = 0.0  # fresh sandboxes
     seconds_restoring: float = 0.0  # snapshots restored, also attempts that failed
-    seconds_snapshotting: float = 0.0  # the sandbox saving its state (recording it is a store round trip)
-    seconds_store: float = 0.0  # store round trips: lookups, records, claims, leases, snapshot records
+    seconds_snapshotting: float = 0.0  # snapshots taken and recorded before answering, or waited for by a miss
+    seconds_store: float = 0.0  # store round trips: lookups, records, claims, leases
+    # Off the critical path: snapshots taken and recorded after their call answered (`background_snapshots`).
+    seconds_background: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
