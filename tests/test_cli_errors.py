@@ -75,7 +75,18 @@ def sql_traces(tmp_path: Path) -> Path:
 
 def replay_args(traces: Path, *more: str) -> list[str]:
     chinook = str(workload_path("sql", "chinook", "chinook.sqlite"))
-    return ["replay", str(traces), "--sandbox", "sqlite", "--base", chinook, "--no-progress", *more]
+    return [
+        "replay",
+        str(traces),
+        "--sandbox",
+        "sqlite",
+        "--base",
+        chinook,
+        "--no-progress",
+        "--turn-time",
+        "none",
+        *more,
+    ]
 
 
 # -- bad input ------------------------------------------------------------------------------------------------
@@ -164,7 +175,17 @@ def test_replay_fails_when_a_strategy_fails_calls_the_uncached_run_answered(tmp_
     write, read = TraceCall("write", {"key": "a", "value": "x"}), TraceCall("read", {"key": "a"})
     other_read = TraceCall("read", {"key": "a", "again": 1})
     write_traces(traces, [Trace("t", "r0", "test", [write, read]), Trace("t", "r1", "test", [write, other_read])])
-    argv = ["replay", str(traces), "--sandbox", "python:strict_kv:sandboxes", "--concurrency", "1", "--no-progress"]
+    argv = [
+        "replay",
+        str(traces),
+        "--sandbox",
+        "python:strict_kv:sandboxes",
+        "--concurrency",
+        "1",
+        "--no-progress",
+        "--turn-time",
+        "none",
+    ]
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     result = tvcache_command(*argv, "--strategies", "none,naive,tvcache", env=env)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
@@ -266,7 +287,17 @@ def test_workspace_sandboxes_without_bubblewrap(tmp_path: Path) -> None:
     traces = tmp_path / "bash.jsonl"
     write_traces(traces, [Trace("t", "r0", "test", [TraceCall("bash", {"command": "ls"})])])
     (tmp_path / "base").mkdir()
-    args = ["replay", str(traces), "--sandbox", "workspace", "--base", str(tmp_path / "base"), "--no-progress"]
+    args = [
+        "replay",
+        str(traces),
+        "--sandbox",
+        "workspace",
+        "--base",
+        str(tmp_path / "base"),
+        "--no-progress",
+        "--turn-time",
+        "none",
+    ]
     line = one_line_error(tvcache_command(*args, env={"PATH": str(bin_dir)}, tmp=tmp_path))
     assert (
         line

@@ -366,7 +366,9 @@ def test_replay_command_on_sqlite(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     chinook = str(workload_path("sql", "chinook", "chinook.sqlite"))
     argv = [str(tmp_path / "sql.jsonl"), "--sandbox", "sqlite", "--base", chinook, "--tasks", "2", "--epochs", "2"]
-    code = cli(["replay", *argv, "--strategies", "none,tvcache", "--json", str(out), "--no-progress"])
+    code = cli(
+        ["replay", *argv, "--strategies", "none,tvcache", "--json", str(out), "--no-progress", "--turn-time", "none"]
+    )
     assert code == 0
     figures = json.loads(out.read_text())
     assert figures["tasks"] == 2 and figures["rollouts"] == 6 and set(figures["strategies"]) == {"none", "tvcache"}
@@ -406,7 +408,7 @@ def test_replay_command_with_a_python_factory(tmp_path: Path) -> None:
         "--sandbox",
         "python:tvcache_bench.workloads.synthetic:make_sandboxes",
     ]
-    assert cli([*argv, "--read-only", "read", "--json", str(out), "--no-progress"]) == 0
+    assert cli([*argv, "--read-only", "read", "--json", str(out), "--no-progress", "--turn-time", "none"]) == 0
     figures = json.loads(out.read_text())
     assert figures["strategies"]["tvcache"]["incorrect_hits"] == 0
     assert figures["strategies"]["naive"]["compared"] == 24
