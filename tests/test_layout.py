@@ -134,3 +134,29 @@ def test_no_workload_or_microbenchmark_lives_in_the_library() -> None:
         assert "tvcache_bench" not in text or layer(".".join(path.relative_to(SRC).with_suffix("").parts)) == "cli", (
             f"{path.relative_to(SRC)} mentions the benchmark package"
         )
+
+
+BACKENDS = ("workspace", "docker", "remote")
+
+
+def test_each_backend_keeps_its_parts_and_the_shared_top_knows_none() -> None:
+    """sandboxes/ holds the protocol and what several backends share at the top, and one package per larger backend
+    with its private parts: a backend imports no other backend's package, and the shared parts (base, lifecycle,
+    the `_`-modules) import none. Only reclaim (every backend's leftovers) and images (a Docker image as a
+    workspace's layers) reach into backends."""
+    top = LIBRARY / "sandboxes"
+    for backend in BACKENDS:
+        assert (top / backend / "__init__.py").is_file(), f"sandboxes/{backend}/ is not a package"
+        for path in (top / backend).rglob("*.py"):
+            for name in imports(path):
+                parts = name.split(".")
+                if parts[:2] == ["tvcache", "sandboxes"] and len(parts) > 2 and parts[2] in BACKENDS:
+                    assert parts[2] == backend, f"{path.relative_to(SRC)} imports {name}, another backend's"
+    for path in top.glob("*.py"):
+        if path.stem in ("reclaim", "images"):
+            continue
+        for name in imports(path):
+            parts = name.split(".")
+            assert not (parts[:2] == ["tvcache", "sandboxes"] and len(parts) > 2 and parts[2] in BACKENDS), (
+                f"{path.relative_to(SRC)} (shared) imports the backend {name}"
+            )

@@ -135,7 +135,7 @@ def tmp_fixture() -> Iterator[Path]:
     try:
         yield path
     finally:
-        from tvcache.sandboxes._rundir import reap
+        from tvcache.sandboxes.workspace._rundir import reap
 
         for run_dir in (path / "tvcache-workspace").glob("run-*"):  # with its mounts and cgroups
             reap(run_dir)
@@ -222,7 +222,7 @@ def test_a_live_owner_in_another_pid_namespace_is_never_taken_for_dead(tmp: Path
         assert all(p.is_dir() for p in theirs)
     finally:
         child.kill()
-        from tvcache.sandboxes._rundir import reap
+        from tvcache.sandboxes.workspace._rundir import reap
 
         for run_dir in (tmp / "tvcache-workspace").glob("run-*"):  # its cgroups too: nobody here judges it
             reap(run_dir)

@@ -197,7 +197,7 @@ def _check(args: argparse.Namespace, command: str) -> None:
 
             gguf_file()  # MissingModel (a MissingExtra) names the package to install
     if _workspace_sandboxes(args):
-        from tvcache.sandboxes._jail import find_bwrap
+        from tvcache.sandboxes.workspace._jail import find_bwrap
 
         try:
             find_bwrap()

@@ -1,5 +1,7 @@
-"""Sandbox backends. Each public module holds one backend; `base` holds the protocol they implement and
-`lifecycle` the open/close/snapshot-record code they share; `_`-modules are the backends' private parts."""
+"""Sandbox backends. `base` holds the protocol they implement, `lifecycle` the open/close/snapshot-record code
+they share and `reclaim` the cleanup of what dead processes left; `_`-modules here are parts two backends share.
+`python` and `sqlite` are one module each; `workspace`, `docker` and `remote` are packages holding their private
+parts."""
 
 from .base import Outcome, Output, Sandbox, SandboxError, Sandboxes
 

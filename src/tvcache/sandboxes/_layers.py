@@ -1,12 +1,12 @@
 """Read-only layers of frozen overlay upper dirs: reference counts, merging, listings.
 
 A layer is a directory `<root>/<id>/` with one subdirectory per overlay mount of the sandbox layout (named by
-the mount's index): a copy of a sandbox's upper dirs, which restores copy back (see _isolation). A layer lives as
-long as some snapshot or live sandbox holds a reference to it. `merge_layers` flattens an image's layers.
+the mount's index): a copy of a sandbox's upper dirs, which restores copy back (see workspace._isolation). A
+layer lives as long as some snapshot or live sandbox holds a reference to it. `merge_layers` flattens an image's layers.
 
 Layers hold what overlayfs puts into an upper dir: files, directories, whiteouts (character devices 0/0)
 and opaque directories (an `overlay.opaque` xattr). Mounts never create redirect or metacopy xattrs (see
-_mounts), so that is all `merge` has to understand.
+workspace._mounts), so that is all `merge` has to understand.
 """
 
 from __future__ import annotations

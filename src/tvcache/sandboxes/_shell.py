@@ -1,4 +1,4 @@
-"""Run one bash command inside a sandbox (see _jail for the namespaces, mounts and privileges), and capture
+"""Run one bash command inside a sandbox (see workspace._jail for the namespaces, mounts and privileges), and capture
 the shell's state.
 
 Every command gets its own bash. What a terminal would keep between commands, the working directory and the
@@ -12,7 +12,7 @@ command, so it also survives snapshots and forks. The process chain is
   whatever the command did with signals or its parent-death signal.
 - NETNS is the sandbox's private network namespace (loopback only, already up), made once per sandbox; as
   root the jail is spawned straight into it and into the sandbox's mount namespace by a thread that joined
-  both (see _mounts), in userns mode through nsenter.
+  both (see workspace._mounts), in userns mode through nsenter.
 - The prelude first moves the shell into the sandbox's cgroups (through descriptors opened here), so a fork
   bomb or a memory hog is capped there, then says it started: a command whose shell never said so (the
   machinery failed) is a failure, never an answer.
@@ -270,7 +270,7 @@ async def run_bash(
 ) -> CommandResult:
     """Run `command` as described in the module docstring and return its output, exit code and new state.
 
-    `jail` is the argv that enters the sandbox, up to the command (see _jail). `env` is the process
+    `jail` is the argv that enters the sandbox, up to the command (see workspace._jail). `env` is the process
     environment; it reaches bash only when `state.exports` is None (the first command of a factory).
     `cgroups` are the cgroup.procs files the shell joins; `pass_fds` are descriptors the jail needs (the
     seccomp program), which this function closes; `spawn(argv, **popen_kwargs)` starts the process (in the

@@ -235,7 +235,7 @@ async def _from_daemon(image: str, docker_url: str | None) -> ImageRoot:
     require("docker", "an image on a Docker daemon", "aiodocker")
     import aiodocker
 
-    from ._docker_pipeline import inspect_image
+    from .docker._pipeline import inspect_image
 
     async with aiodocker.Docker(url=docker_url) as docker:
         info = await inspect_image(docker, image)  # ValueError also when `image` was meant as a missing path

@@ -10,8 +10,8 @@ names it:
   `tvcache-<kind>-<pid>-<start>-<pid namespace>-<token>` from the moment it exists (no window where a crash leaves
   it unnamed). Mounts below it are detached when it is reclaimed (a debootstrap root mounts /proc);
 - a `WorkspaceSandboxes` run dir, `<tmp>/tvcache-workspace/run-<pid>-<start>-<pid namespace>-<token>/`, holds
-  its mounts and the list of its cgroups, which are named as it is (see `_rundir`);
-- Docker containers, images and networks carry the labels `tvcache.run` and `tvcache.owner` (see `_docker_run`).
+  its mounts and the list of its cgroups, which are named as it is (see `workspace._rundir`);
+- Docker containers, images and networks carry the labels `tvcache.run` and `tvcache.owner` (see `docker._run`).
 
 Whatever makes scratch or a run dir first reclaims everything of dead owners in its parent and in the usual
 places (/dev/shm, the temp dir, /var/tmp, tvcache's cache: `reclaim_dead`, which `scratch_dir` and `RunDir` call),
@@ -187,7 +187,7 @@ def leftovers(parents: Iterable[Path], *, sized: bool = True) -> list[Leftover]:
     """What dead owners left in `parents`: scratch, and workspace run dirs (`<parent>/tvcache-workspace/run-*`)
     with the mounts and cgroups they hold; and workspace cgroups whose run dir is gone, wherever it was. `sized`:
     measure each (a walk of the tree)."""
-    from ._rundir import reap, stale_run_dirs
+    from .workspace._rundir import reap, stale_run_dirs
 
     found = []
     for parent in parents:
@@ -210,7 +210,7 @@ def leftovers(parents: Iterable[Path], *, sized: bool = True) -> list[Leftover]:
 def cgroup_leftovers() -> list[Leftover]:
     """Workspace runs' cgroups (`<hierarchy>/.../tvcache-workspace/run-<owner>-<token>`) whose owner is gone: a
     run dir reclaimed normally takes its cgroups along, so these are the ones whose run dir was deleted unreaped."""
-    from ._cgroups import remove_tree
+    from .workspace._cgroups import remove_tree
 
     found = []
     for group in _shared_groups():
@@ -227,7 +227,7 @@ def _shared_groups() -> set[Path]:
     """The `tvcache-workspace` groups: beside or below this process's own group in each hierarchy (where its
     factories and those of processes started with it put theirs), and any within a few levels of a hierarchy's
     root (those of processes started elsewhere)."""
-    from ._cgroups import GROUP, _mounts, _own_groups, _under
+    from .workspace._cgroups import GROUP, _mounts, _own_groups, _under
 
     v1, v2 = _mounts()
     own_v1, own_v2 = _own_groups()
@@ -264,8 +264,8 @@ def _dead_owner(name: str) -> tuple[str, str] | None:
 def docker_leftovers(url: str | None = None) -> list[Leftover]:
     """The runs of `DockerSandboxes` on the daemon at `url` (default: $DOCKER_HOST or the local socket) whose
     owner on this host is gone. Raises what the client raises when no daemon answers."""
-    from ._docker_run import dead_runs, remove_run
     from .docker import _blocking
+    from .docker._run import dead_runs, remove_run
 
     def reclaimer(run: str) -> Callable[[], object]:
         return lambda: _blocking(lambda docker: remove_run(docker, run), url)

@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from ..calls import ToolCall
 from ..sandboxes.base import Sandboxes
-from ..sandboxes.remote_wire import (
+from ..sandboxes.remote.wire import (
     CreateRequest,
     ExecuteReply,
     ExecuteRequest,
@@ -107,7 +107,7 @@ class SandboxApp(JSONApi):
             return super()._failure(exc)
         return HTTPError(status, str(exc))
 
-    # -- the operations: one per endpoint, named as in remote_wire.SANDBOX_ENDPOINTS ----------------------
+    # -- the operations: one per endpoint, named as in remote.wire.SANDBOX_ENDPOINTS ----------------------
 
     async def _create(self, req: CreateRequest, receive: Receive) -> SandboxReply:
         return SandboxReply(await self.pool.create(req.fingerprint), self.pool.live)

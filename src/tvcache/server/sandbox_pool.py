@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from ..calls import ToolCall
 from ..graph import encode_output
 from ..sandboxes.base import Outcome, Sandbox, Sandboxes
-from ..sandboxes.remote_wire import InfoReply, Listing, SandboxInfo, SnapshotInfo
+from ..sandboxes.remote.wire import InfoReply, Listing, SandboxInfo, SnapshotInfo
 from ..version import __version__
 
 __all__ = [

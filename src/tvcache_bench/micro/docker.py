@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tvcache.calls import ToolCall
-from tvcache.sandboxes._docker_pipeline import Pipeline
 from tvcache.sandboxes.docker import CREATE_CONCURRENCY, DockerSandboxes, build_image
+from tvcache.sandboxes.docker._pipeline import Pipeline
 from tvcache.sandboxes.images import workspace_from_image
 from tvcache.sandboxes.reclaim import scratch_dir
 

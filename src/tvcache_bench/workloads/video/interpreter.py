@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 __all__ = ["SandboxedPython", "sandboxed_python"]
 
-#: Top-level directories a workspace sandbox replaces with its own (see tvcache.sandboxes._layout).
+#: Top-level directories a workspace sandbox replaces with its own (see tvcache.sandboxes.workspace._layout).
 _HIDDEN_TOPS = frozenset({"tmp", "run", "dev", "proc", "sys", "mnt", "media"})
 
 

@@ -14,9 +14,9 @@ import secrets
 import time
 from pathlib import Path
 
+from .._fdtree import remove_tree
+from ..reclaim import detach_all, mounts_below, owner_alive, owner_name, reclaim_dead, run_owner
 from ._cgroups import remove_tree as remove_cgroup_tree
-from ._fdtree import remove_tree
-from .reclaim import detach_all, mounts_below, owner_alive, owner_name, reclaim_dead, run_owner
 
 __all__ = ["RunDir", "mounts_below", "reap", "stale_run_dirs"]
 

@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import _syscalls as sc
-from .base import SandboxError
+from .. import _syscalls as sc
+from ..base import SandboxError
 
 __all__ = ["HelperMounter", "MountSpace", "Mounter", "PrivateMounter"]
 
@@ -329,13 +329,14 @@ class HelperMounter(Mounter):
     userxattr = True
 
     def __init__(self) -> None:
-        src = str(Path(__file__).resolve().parents[2])
+        src = str(Path(__file__).resolve().parents[3])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
         try:
             self._proc = subprocess.Popen(
                 [
                     *("unshare", "--user", "--map-root-user", "--mount", "--propagation=private", "--"),
-                    *(sys.executable, "-m", "tvcache.sandboxes._mounts"),
+                    # -c, not -m: the workspace package imports this module, and runpy warns of running it twice
+                    *(sys.executable, "-c", "from tvcache.sandboxes.workspace._mounts import _serve; _serve()"),
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

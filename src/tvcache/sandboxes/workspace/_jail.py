@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from .base import SandboxError
+from ..base import SandboxError
 
 __all__ = ["CAPABILITIES", "Jail", "find_bwrap"]
 

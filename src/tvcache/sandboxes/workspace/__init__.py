@@ -70,19 +70,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ..calls import ToolCall
-from . import _fastpaths as fast
+from ...calls import ToolCall
+from .. import _fastpaths as fast
+from .._layers import listing_digest
+from .._shell import CommandResult, ShellState, run_bash, unfinished
+from ..base import Outcome, SandboxError
+from ..lifecycle import ManagedSandbox, ManagedSandboxes
 from . import _isolation
 from ._cgroups import Cgroups, SandboxCgroup
 from ._isolation import Snapshot
 from ._jail import Jail, find_bwrap
-from ._layers import listing_digest
 from ._mounts import Mounter
 from ._rundir import RunDir
 from ._seccomp import bpf_program
-from ._shell import CommandResult, ShellState, run_bash, unfinished
-from .base import Outcome, SandboxError
-from .lifecycle import ManagedSandbox, ManagedSandboxes
 
 __all__ = ["DEFAULT_ENV", "TOOLS", "Isolation", "WorkspaceSandbox", "WorkspaceSandboxes"]
 
@@ -348,7 +348,7 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
     async def from_image(cls, image: str | os.PathLike[str], **options: Any) -> WorkspaceSandboxes:
         """Sandboxes whose root filesystem is a Docker or OCI image's own layers, started with its Env and
         WorkingDir; `options` as for the constructor. See images.py."""
-        from .images import workspace_from_image
+        from ..images import workspace_from_image
 
         return await workspace_from_image(image, **options)
 

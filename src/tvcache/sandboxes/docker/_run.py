@@ -16,7 +16,7 @@ from typing import Any
 
 import aiodocker
 
-from .reclaim import owner_alive, process_start_time
+from ..reclaim import owner_alive, process_start_time
 
 __all__ = ["RUN_LABEL", "SNAPSHOT_REPO", "dead_runs", "new_run", "reap_dead_runs", "remove_run"]
 

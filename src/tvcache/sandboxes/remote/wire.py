@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from ..jsonhttp import ErrorReply
+from ...jsonhttp import ErrorReply
 
 __all__ = [
     "CreateRequest",

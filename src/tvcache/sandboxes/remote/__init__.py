@@ -41,11 +41,11 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from ..calls import ToolCall
-from ..extras import require
-from ..graph import decode_output
-from .base import Outcome, SandboxBusy, SandboxError, SnapshotGone, ToolError
-from .remote_wire import (
+from ...calls import ToolCall
+from ...extras import require
+from ...graph import decode_output
+from ..base import Outcome, SandboxBusy, SandboxError, SnapshotGone, ToolError
+from .wire import (
     CreateRequest,
     ExecuteReply,
     ExecuteRequest,
@@ -62,7 +62,7 @@ require("client", "tvcache.RemoteSandboxes", "aiohttp")
 
 from yarl import URL  # noqa: E402  (after the check that names the extra to install)
 
-from ..jsonhttp import Invalid, JSONClient, Refused, Unreachable, parse_url  # noqa: E402
+from ...jsonhttp import Invalid, JSONClient, Refused, Unreachable, parse_url  # noqa: E402
 
 __all__ = ["RemoteSandbox", "RemoteSandboxes"]
 

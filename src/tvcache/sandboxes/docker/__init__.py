@@ -12,7 +12,7 @@ image's layers as overlay lower layers and forks a hundred times faster (see ima
 
 **Tools** as in `WorkspaceSandboxes`, with the same outputs: `bash {"command"}` -> `{"output", "exit_code"}`
 (stdout and stderr interleaved, the middle cut past `max_output`), `read_file`, `write_file`, `list_dir`. The
-working directory and exported variables carry over from call to call and into snapshots (see _docker_exec).
+working directory and exported variables carry over from call to call and into snapshots (see _exec).
 Commands run as the image's `User`, starting in its `WorkingDir` with its `Env` (plus `env`). Every command
 ends with the processes it started: nothing runs between calls, as nothing can be in a snapshot. The file
 tools work in this process through the container's merged directory (the daemon must be local, with the
@@ -37,7 +37,7 @@ their snapshots, their live containers and their committed children, and removed
 
 **Scale.** Container creation, commits and removals go through one pipeline per factory that runs at most
 `create_concurrency` of them at once (the daemon's measured saturation point: more at once only makes each
-slower, and far more makes them fail) and retries what a loaded daemon rejects (see _docker_pipeline). A
+slower, and far more makes them fail) and retries what a loaded daemon rejects (see _pipeline). A
 sandbox has no network (only loopback) unless `network=True`; networked sandboxes share a pool of bridge
 networks, created as needed, at most 200 containers each, instead of a network per sandbox.
 
@@ -45,7 +45,7 @@ networks, created as needed, at most 200 containers each, instead of a network p
 `Outcome(error=True)` with the output so far; the container stays usable. A container that dies (killed from
 outside, the daemon stopped) raises SandboxError from the call that finds it.
 
-**Cleanup.** Containers, images and networks carry labels naming the run and the process (see _docker_run).
+**Cleanup.** Containers, images and networks carry labels naming the run and the process (see _run).
 `close()` removes them all, also after errors, and so does the garbage collector or the interpreter's exit
 for a factory never closed; the next factory on the daemon reaps what a killed process left behind.
 
@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..extras import require
+from ...extras import require
 
 try:
     import aiodocker
@@ -76,16 +76,16 @@ except ImportError:
     require("docker", "a Docker sandbox", "aiodocker")  # raises MissingExtra: the extra to install, in one line
     raise
 
-from ..calls import ToolCall
-from . import _fastpaths as fast
-from ._docker_exec import kill_everything, run_bash
-from ._docker_pipeline import Pipeline, describe, inspect_image
-from ._docker_run import RUN_LABEL, SNAPSHOT_REPO, new_run, reap_dead_runs, remove_run
-from ._layers import is_empty, relisted
-from ._shell import ShellState, unfinished
-from ._threads import in_own_thread
-from .base import Outcome, SandboxError
-from .lifecycle import ManagedSandbox, ManagedSandboxes
+from ...calls import ToolCall
+from .. import _fastpaths as fast
+from .._layers import is_empty, relisted
+from .._shell import ShellState, unfinished
+from .._threads import in_own_thread
+from ..base import Outcome, SandboxError
+from ..lifecycle import ManagedSandbox, ManagedSandboxes
+from ._exec import kill_everything, run_bash
+from ._pipeline import Pipeline, describe, inspect_image
+from ._run import RUN_LABEL, SNAPSHOT_REPO, new_run, reap_dead_runs, remove_run
 
 __all__ = ["CREATE_CONCURRENCY", "TOOLS", "DockerSandbox", "DockerSandboxes", "build_image"]
 

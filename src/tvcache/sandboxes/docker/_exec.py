@@ -23,7 +23,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-from ._shell import STATE_FD, BoundedOutput, ShellState, parse_state, state_script
+from .._shell import STATE_FD, BoundedOutput, ShellState, parse_state, state_script
 
 __all__ = ["ExecResult", "kill_everything", "run_bash"]
 

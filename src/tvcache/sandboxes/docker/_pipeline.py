@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import aiodocker
 import aiohttp
 
-from .base import SandboxError
+from ..base import SandboxError
 
 __all__ = ["Pipeline", "describe", "inspect_image", "is_transient"]
 

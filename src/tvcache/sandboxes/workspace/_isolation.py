@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ._fdtree import OPEN_DIR, Walk, remove_tree
-from ._layers import LayerStore, copy_layer, listing, merge_layers, relisted
+from .._fdtree import OPEN_DIR, Walk, remove_tree
+from .._layers import LayerStore, copy_layer, listing, merge_layers, relisted
+from .._shell import ShellState
+from ..base import SandboxError
 from ._layout import DEVICES, Layout, build_layout
 from ._mounts import HelperMounter, Mounter, MountSpace, PrivateMounter
 from ._rundir import mounts_below
-from ._shell import ShellState
-from .base import SandboxError
 
 __all__ = ["Isolation", "SandboxRoot", "Snapshot", "choose"]
 
