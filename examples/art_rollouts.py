@@ -1,10 +1,13 @@
 """ART rollouts of a coding agent whose bash calls, and the tests that grade it, go through tvcache.
 
     pip install 'tvcache[art]'
+    python examples/art_rollouts.py                      # a built-in scripted policy stands in for the model
     python examples/art_rollouts.py --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-8B --rollouts 8
 
 Any OpenAI-compatible endpoint serves the model (vLLM, an ART backend's, a hosted API; the key from
-`OPENAI_API_KEY`). The task: a small project in a workspace sandbox whose `total()` ignores quantities; the agent
+`OPENAI_API_KEY`), or without `--base-url` the one stand-in, `ScriptedPolicy` (scripted_model.py): a chat-completions
+server on loopback answering from `PLANS`, so everything else (ART's client and gathering, tvcache) runs as it would
+with a model. The task: a small project in a workspace sandbox whose `total()` ignores quantities; the agent
 explores and edits it with a `bash` tool, and its reward is the share of hidden tests passing on its final state.
 The rollouts of a group run concurrently, as `art.gather_trajectory_groups` runs them; their identical calls (the
 `ls` and `cat` every rollout starts with, the test run of every rollout that ends in the same state) execute once.
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import art
+from scripted_model import ScriptedPolicy  # examples/scripted_model.py: the stand-in for a model server
 
 import tvcache
 from tvcache.integrations.art import cached_rollout
@@ -76,6 +80,21 @@ TOOLS: list[dict[str, Any]] = [
             },
         },
     }
+]
+
+
+def bash(command: str) -> tuple[str, str]:
+    return ("bash", json.dumps({"command": command}))
+
+
+FIXED = "def total(items):\n    return sum(item['price'] * item['quantity'] for item in items)\n"
+FIX = bash(f"cat > /testbed/inventory.py <<'EOF'\n{FIXED}EOF")
+# The plans of the built-in scripted policy, a rollout each in turn: fix it (3 of 3 hidden tests pass), look and give
+# up (2 of 3), fix it after an `ls` laid out otherwise (the same call to tvcache, so it hits).
+PLANS = [
+    [[bash("ls /testbed")], [bash("cat /testbed/inventory.py")], [FIX]],
+    [[bash("ls /testbed")], [bash("cat /testbed/inventory.py")]],
+    [[("bash", '{ "command" :\n "ls /testbed" }')], [FIX]],
 ]
 
 
@@ -149,8 +168,14 @@ def make_rollout(boxes: tvcache.Sandboxes, cache: tvcache.ToolCache) -> Any:
     return rollout
 
 
-async def main(base_url: str, model_name: str, rollouts: int = 8, epochs: int = 2) -> list[list[art.Trajectory]]:
-    """Run `epochs` steps of one group of `rollouts` on the task; return the trajectories of each step."""
+async def main(
+    base_url: str | None = None, model_name: str = "scripted-policy", rollouts: int = 8, epochs: int = 2
+) -> list[list[art.Trajectory]]:
+    """Run `epochs` steps of one group of `rollouts` on the task, against the model server at `base_url` (without
+    one, the built-in scripted policy); return the trajectories of each step."""
+    if base_url is None:
+        async with ScriptedPolicy(PLANS) as url:
+            return await main(url, model_name, rollouts, epochs)
     model = art.Model(
         name="tvcache-example",
         project="tvcache",
@@ -171,16 +196,28 @@ async def main(base_url: str, model_name: str, rollouts: int = 8, epochs: int = 
                     pbar_desc=f"epoch {epoch}",
                 )
                 steps.append(list(group.trajectories))
-                rewards = [t.reward for t in group.trajectories]
-                print(f"epoch {epoch}: rewards {rewards}; cache {cache.stats()}")
+                rewards = [round(t.reward, 2) for t in group.trajectories]
+                hits, calls = (sum(int(t.metrics[k]) for t in group.trajectories) for k in ("tool_hits", "tool_calls"))
+                graded = sum(not t.metrics["graded_from_cache"] for t in group.trajectories)
+                print(
+                    f"epoch {epoch}: rewards {rewards}; {hits} of {calls} tool calls hit; "
+                    f"{graded} of {len(rewards)} gradings executed"
+                )
+            stats = cache.stats()
+            print(
+                f"cache: {stats['calls']:.0f} calls, {stats['hits']:.0f} hits, {stats['executions']:.0f} executions, "
+                f"{stats['seconds_saved']:.1f} s of tool time saved"
+            )
             return steps
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", required=True)
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--base-url", help="an OpenAI-compatible server (default: a built-in scripted policy)")
+    parser.add_argument("--model", default="scripted-policy", help="the model the server serves")
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
+    if args.base_url and args.model == "scripted-policy":
+        parser.error("--base-url needs --model: the model the server serves")
     asyncio.run(main(args.base_url, args.model, args.rollouts, args.epochs))

@@ -1,22 +1,27 @@
 """verifiers v1 with tvcache: a coding task whose agent's bash and edit calls, setup and test reward run through it.
 
     pip install 'tvcache[verifiers]'
+    python examples/verifiers_task.py                      # a built-in scripted policy stands in for the model
     python examples/verifiers_task.py --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-8B --rollouts 8
 
 `FixSlugTask` is an ordinary verifiers task: its setup writes a small project into the runtime, its reward runs
 hidden tests there. `CachedFixSlugTask` is the drop-in: the mixin first, and the workspace sandboxes its rollouts
 run in. The agent is verifiers' own `bash` harness in a subprocess runtime, its model any OpenAI-compatible endpoint
-(the key from `OPENAI_API_KEY`); `--no-cache` runs the plain task, as verifiers alone would.
+(the key from `OPENAI_API_KEY`), or without `--base-url` the one stand-in, `ScriptedPolicy` (scripted_model.py):
+a chat-completions server on loopback answering from `PLANS`, so everything else (verifiers' agent, harness, runtime
+and rewards) runs as it would with a model. `--no-cache` runs the plain task, as verifiers alone would.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 from typing import Any
 
 import verifiers.v1 as vf
+from scripted_model import ScriptedPolicy  # examples/scripted_model.py: the stand-in for a model server
 
 import tvcache
 from tvcache.integrations import process_cache, process_sandboxes
@@ -70,13 +75,41 @@ class CachedFixSlugTask(CachedTask, FixSlugTask):
         )
 
 
+def bash(command: str) -> tuple[str, str]:
+    return ("bash", json.dumps({"command": command}))
+
+
+BUGGY = "return re.sub(r'[^a-z0-9]', '-', title.lower())"
+FIX = (
+    "edit",
+    json.dumps(
+        {"path": "slug.py", "old_str": BUGGY, "new_str": "return '-'.join(re.findall(r'[a-z0-9]+', title.lower()))"}
+    ),
+)
+
+
+# The plans of the built-in scripted policy, a rollout each in turn: fix the bug (3 of 3 hidden tests pass), only
+# look (1 of 3), fix it after an `ls` laid out otherwise (the same call to tvcache, so it hits).
+PLANS = [
+    [[bash("ls")], [bash("cat slug.py")], [FIX]],
+    [[bash("ls")]],
+    [[("bash", '{ "command" :\n "ls" }')], [FIX]],
+]
+
+
 def task(cached: bool) -> FixSlugTask:
     data = SlugData(idx=0, id="slugify-fix", prompt="slug.py's slugify gives wrong slugs. Fix it with your tools.")
     return (CachedFixSlugTask if cached else FixSlugTask)(data)
 
 
-async def main(base_url: str, model: str, rollouts: int = 8, epochs: int = 2, cached: bool = True) -> list[Any]:
-    """`epochs` groups of `rollouts` concurrent rollouts of the task; returns the traces of each group."""
+async def main(
+    base_url: str | None = None, model: str = "scripted-policy", rollouts: int = 8, epochs: int = 2, cached: bool = True
+) -> list[Any]:
+    """`epochs` groups of `rollouts` concurrent rollouts of the task, against the model server at `base_url`
+    (without one, the built-in scripted policy); returns the traces of each group."""
+    if base_url is None:
+        async with ScriptedPolicy(PLANS) as url:
+            return await main(url, model, rollouts, epochs, cached)
     os.environ.setdefault("OPENAI_API_KEY", "none")
     config = vf.AgentConfig(
         model=model,
@@ -87,20 +120,31 @@ async def main(base_url: str, model: str, rollouts: int = 8, epochs: int = 2, ca
     groups = []
     async with vf.Agent(config) as agent:
         for epoch in range(epochs):
+            before = process_cache().stats() if cached else {}
             traces = await asyncio.gather(*(agent.run(task(cached)) for _ in range(rollouts)))
             groups.append(traces)
-            print(f"epoch {epoch}: rewards {[t.reward for t in traces]}")
+            line = f"epoch {epoch}: rewards {[round(t.reward, 2) for t in traces]}"
+            if cached:  # this epoch's share of the process-wide cache's counts
+                after = process_cache().stats()
+                line += f"; {after['hits'] - before['hits']:.0f} of {after['calls'] - before['calls']:.0f} calls hit"
+            print(line)
     if cached:
-        print("cache:", process_cache().stats())
+        stats = process_cache().stats()
+        print(
+            f"cache: {stats['calls']:.0f} calls, {stats['hits']:.0f} hits, {stats['executions']:.0f} executions, "
+            f"{stats['seconds_saved']:.1f} s of tool time saved"
+        )
     return groups
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", required=True)
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--base-url", help="an OpenAI-compatible server (default: a built-in scripted policy)")
+    parser.add_argument("--model", default="scripted-policy", help="the model the server serves")
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--no-cache", action="store_true", help="run the plain verifiers task")
     args = parser.parse_args()
+    if args.base_url and args.model == "scripted-policy":
+        parser.error("--base-url needs --model: the model the server serves")
     asyncio.run(main(args.base_url, args.model, args.rollouts, args.epochs, not args.no_cache))

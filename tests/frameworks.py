@@ -19,7 +19,9 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import os
 import re
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -122,10 +124,33 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def load_example(name: str) -> ModuleType:
-    """Import `examples/<name>.py` as a module (examples are scripts, not a package)."""
+    """Import `examples/<name>.py` as a module (examples are scripts, not a package), with what a script run finds
+    next to it (examples/scripted_model.py) importable."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.append(str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(f"tvcache_example_{name}", EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
     spec.loader.exec_module(module)
     return module
+
+
+def run_example(name: str, cwd: Path) -> list[str]:
+    """Run `examples/<name>.py` with no arguments as a newcomer does (from another directory, without
+    $TVCACHE_WORKLOADS) and return the lines it prints; fails the test if it exits with an error."""
+    env = {k: v for k, v in os.environ.items() if k != "TVCACHE_WORKLOADS"}
+    script = EXAMPLES / f"{name}.py"
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def rewards_of(line: str) -> list[float]:
+    """The rewards an example prints for an epoch (`epoch k: rewards [...]; ...`), sorted: which concurrent
+    rollout gets which plan is up to the scheduler."""
+    found = re.match(r"epoch \d+: rewards (\[[^]]*\])", line)
+    assert found is not None, line
+    return sorted(json.loads(found.group(1)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ try:
 except ImportError:  # no transformers, nothing patched
     pass
 
-from frameworks import ScriptedLLM, load_example, plan_of  # noqa: E402
+from frameworks import ScriptedLLM, load_example, plan_of, rewards_of, run_example  # noqa: E402
 
 example = load_example("art_rollouts")
 
@@ -151,3 +152,16 @@ def test_task_ids_come_from_the_scenario_content() -> None:
 
     with pytest.raises(TypeError, match="no parameter 'scenario'"):
         cached_rollout(sandboxes=lambda s: None)(no_scenario)  # type: ignore[arg-type]
+
+
+def test_the_example_runs_without_arguments_on_its_scripted_policy(tmp_path: Path) -> None:
+    """As a newcomer runs it: no model server (its built-in scripted policy on loopback stands in), from an empty
+    directory. 8 rollouts take the 3 plans in turn (fix: 1.0, look and give up: 2 of 3 tests, fix after an `ls`
+    laid out otherwise: 1.0); two final states, so two gradings execute; the second epoch's calls and gradings all
+    hit."""
+    lines = run_example("art_rollouts", tmp_path)
+    assert rewards_of(lines[0]) == [0.67] * 3 + [1.0] * 5  # plans 0, 1, 2, 0, 1, 2, 0, 1
+    assert lines[0].endswith("; 2 of 8 gradings executed")
+    assert rewards_of(lines[1]) == [0.67] * 2 + [1.0] * 6  # plans 2, 0, 1, 2, 0, 1, 2, 0
+    assert re.search(r"; (\d+) of \1 tool calls hit; 0 of 8 gradings executed$", lines[1]), lines[1]
+    assert re.fullmatch(r"cache: \d+ calls, \d+ hits, \d+ executions, [\d.]+ s of tool time saved", lines[2])

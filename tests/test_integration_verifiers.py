@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +24,7 @@ vf = pytest.importorskip("verifiers.v1", reason="needs verifiers (pip install 't
 if shutil.which("uv") is None:
     pytest.skip("verifiers' bash harness runs its program with uv (pip install uv)", allow_module_level=True)
 
-from frameworks import ScriptedLLM, load_example, plan_of  # noqa: E402
+from frameworks import ScriptedLLM, load_example, plan_of, rewards_of, run_example  # noqa: E402
 from tvcache.integrations import process_sandboxes  # noqa: E402
 from tvcache.integrations.verifiers import CachedTask  # noqa: E402
 
@@ -196,3 +198,15 @@ def test_the_bash_tool_answers_as_the_harness_runs_it(monkeypatch: pytest.Monkey
 
     assert asyncio.run(main()) == expected
     assert expected[0] == "out1\nout2\nerr1\n" and expected[1] == "a\nb\nc"
+
+
+def test_the_example_runs_without_arguments_on_its_scripted_policy(tmp_path: Path) -> None:
+    """As a newcomer runs it: no model server (its built-in scripted policy on loopback stands in), from an empty
+    directory. 8 rollouts take the 3 plans in turn (fix: 1.0, look only: 1/3 of the hidden tests, fix after an
+    `ls` laid out otherwise: 1.0), and the second epoch repeats calls of the first, so every call hits."""
+    lines = run_example("verifiers_task", tmp_path)
+    assert rewards_of(lines[0]) == [0.33] * 3 + [1.0] * 5  # plans 0, 1, 2, 0, 1, 2, 0, 1
+    assert rewards_of(lines[1]) == [0.33] * 2 + [1.0] * 6  # plans 2, 0, 1, 2, 0, 1, 2, 0
+    hits, calls = (int(n) for n in re.findall(r"; (\d+) of (\d+) calls hit$", lines[1])[0])
+    assert hits == calls > 0, lines[1]
+    assert re.fullmatch(r"cache: \d+ calls, \d+ hits, \d+ executions, [\d.]+ s of tool time saved", lines[2])
