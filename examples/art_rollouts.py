@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# ART imports LiteLLM, which would fetch a model price list from the internet at import; its bundled copy serves.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
 import art
 from scripted_model import ScriptedPolicy  # examples/scripted_model.py: the stand-in for a model server
 
