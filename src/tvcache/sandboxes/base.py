@@ -7,6 +7,7 @@ backend can run its work in threads, subprocesses or over the network without bl
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -37,11 +38,19 @@ class Outcome:
     it changed it, None when the sandbox cannot tell (the cache then assumes it changed). `error` marks a
     failure of the sandbox or tool itself (crash, timeout), which is never cached; an ordinary failing
     command (a non-zero exit, an SQL syntax error) is a normal, cacheable output.
+
+    `reads` and `writes` are for reuse by what a call read (two-phase lookup), from sandboxes that observe them:
+    keys name pieces of state in the sandbox kind's own terms (a file, a directory listing, a table), values are
+    content digests, "" for absent. `reads` holds everything the call observed, or is None when it could not all
+    be observed (then the result is reused only by exact history); `writes` holds the new digest of everything a
+    state-changing call changed, or None when unknown.
     """
 
     output: Output
     changed: bool | None = None
     error: bool = False
+    reads: Mapping[str, str] | None = None
+    writes: Mapping[str, str] | None = None
 
 
 def refusal(output: Output) -> Outcome:
