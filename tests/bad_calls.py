@@ -10,7 +10,7 @@ from typing import Any
 from tvcache import Sandbox, Sandboxes, ToolCache, ToolCall
 
 #: Bad calls of the shell sandboxes' tools (workspace, Docker): unknown tools, malformed JSON (kept as text),
-#: missing arguments, wrong types, NUL bytes where a command line or a path cannot hold one.
+#: missing arguments, wrong types, NUL bytes where a command line or a path cannot hold one, half a surrogate pair.
 SHELL = [
     ("python", {"code": "1"}),
     ("bash", "ls -la {"),
@@ -24,6 +24,9 @@ SHELL = [
     ("bash", {"command": "echo a\0b"}),
     ("read_file", {"path": "a\0b"}),
     ("list_dir", {"path": "\0"}),
+    ("bash", '{"command": "echo \\ud800"}'),  # half a surrogate pair, escaped in the model's JSON
+    ("read_file", {"path": "a\ud800"}),
+    ("write_file", {"path": "x", "content": "\udfff"}),
 ]
 #: A call that changes a shell sandbox's state, and one that reads it.
 SHELL_STATE = (

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +140,53 @@ def test_labels_shorten_each_long_value_so_every_argument_shows() -> None:
     short = ToolCall("sql", {"query": "SELECT 1"})
     assert short.label() == short.key
     assert len(ToolCall("t", "y" * 1000).label()) <= 210
+
+
+def test_a_lone_surrogate_is_keyed_and_never_shares_a_key_with_its_escaped_text() -> None:
+    # A model's JSON may escape half a surrogate pair ("\ud800"); json.loads gives a str with no UTF-8 form.
+    lone = ToolCall("bash", '{"command": "echo \\ud800"}')
+    assert lone.args == {"command": "echo \ud800"}
+    literal = ToolCall("bash", {"command": "echo \\ud800"})  # a backslash and "ud800"
+    assert lone.digest != literal.digest
+    assert json.loads(lone.key.split(" ", 1)[1]) == lone.args
+    assert lone.label() == lone.key
+
+
+def test_outputs_with_lone_surrogates_round_trip() -> None:
+    from tvcache.graph import decode_output, encode_output
+
+    name = os.fsdecode(b"caf\xe9")  # a Latin-1 file name, as os.listdir returns it on a UTF-8 system
+    for output in (name, [name, b"\xff", 1], {name: {"k": name}, "plain": "é"}, {"plain": "ok"}):
+        assert decode_output(encode_output(output)) == output
+
+
+@pytest.mark.parametrize("store", ["memory", "sqlite"])
+def test_a_tool_answering_a_non_utf8_file_name_is_cached_and_answered_the_same(store: str, tmp_path: Path) -> None:
+    from tvcache import ToolCache
+    from tvcache.sandboxes.python import PythonSandboxes
+    from tvcache.stores.sqlite import SQLiteStore
+
+    names = [os.fsdecode(b"caf\xe9.txt"), "plain.txt"]
+
+    def run(state: list[str], call: ToolCall) -> object:
+        if call.tool == "touch":
+            assert isinstance(call.args, dict)
+            state.append(call.args["name"])
+            return "ok"
+        return sorted(state)
+
+    async def main() -> list[list[object]]:
+        seen = []
+        kept = SQLiteStore(tmp_path / "c.db") if store == "sqlite" else None
+        async with ToolCache(store=kept) as cache:
+            boxes = PythonSandboxes(lambda: list(names), run, "names-v1")
+            for _ in range(2):
+                async with cache.rollout("t", boxes) as r:
+                    answers = [(await r.call("ls")).output, (await r.call("touch", {"name": names[0] + "2"})).output]
+                    answers.append((await r.call("ls")).output)
+                    seen.append(answers)
+            assert cache.stats()["hits"] == 3
+        return seen
+
+    first, second = asyncio.run(main())
+    assert first == second == [sorted(names), "ok", sorted([*names, names[0] + "2"])]

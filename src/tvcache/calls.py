@@ -66,9 +66,17 @@ def canonical_json(value: Any) -> bytes:
     _check(value)
     try:
         return _encode(value)
-    except OverflowError:
-        # msgspec stops at 64-bit integers; JSON has no limit, and the standard library writes the same text.
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    except OverflowError:  # msgspec stops at 64-bit integers; JSON has no limit, and the standard library
+        pass  # writes the same text
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in a model's JSON) has no UTF-8 form
+        pass
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        # Escaped instead: still one JSON text per value (a JSON text decodes to exactly one value), so no
+        # other call can share the key.
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def _refuse_constant(name: str) -> Any:

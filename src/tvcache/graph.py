@@ -65,13 +65,48 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
     call: str = ""  # the call's key, cut short: for people reading the graph, never for lookups
 
 
+# A str with a lone surrogate (what `os.fsdecode` makes of a file name that is not UTF-8) has no UTF-8 form, so
+# msgpack cannot hold it as a string: it travels as an extension type, its bytes encoded with surrogatepass; a
+# dict with such a key (an extension value cannot be a key) travels as its list of pairs.
+_SURROGATE_STR = 1
+_SURROGATE_KEYED_DICT = 2
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code == _SURROGATE_STR:
+        return bytes(data).decode("utf-8", "surrogatepass")
+    if code == _SURROGATE_KEYED_DICT:
+        return dict(_decoder.decode(data))
+    raise ValueError(f"unknown msgpack extension type {code} in a cached output")
+
+
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder()
+_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+
+
+def _tag_surrogates(value: Any) -> Any:
+    kind = type(value)
+    if kind is str:
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return msgspec.msgpack.Ext(_SURROGATE_STR, value.encode("utf-8", "surrogatepass"))
+        return value
+    if kind is list or kind is tuple:
+        return [_tag_surrogates(item) for item in value]
+    if kind is dict:
+        pairs = [(_tag_surrogates(k), _tag_surrogates(v)) for k, v in value.items()]
+        if any(type(k) is msgspec.msgpack.Ext for k, _ in pairs):
+            return msgspec.msgpack.Ext(_SURROGATE_KEYED_DICT, _encoder.encode(pairs))
+        return dict(pairs)
+    return value
 
 
 def encode_output(output: Any) -> bytes:
     try:
         return _encoder.encode(output)
+    except UnicodeEncodeError:  # rare: only then walk the output
+        return _encoder.encode(_tag_surrogates(output))
     except TypeError as exc:
         raise TypeError(f"a tool output must be str, bytes or a JSON value: {exc}") from None
 

@@ -50,6 +50,10 @@ def checked_args(call: ToolCall, backend: str) -> dict[str, Any] | Outcome:
             return refusal({"error": f"{call.tool} needs a string argument {key!r}, got args {call.key[:200]}"})
         if "\0" in value and key != "content":  # a file may hold NUL bytes; a command line or a path cannot
             return refusal({"error": f"{call.tool}: {key!r} contains a NUL byte, which a {key} cannot hold"})
+        try:  # surrogateescape: a non-UTF-8 file name as os.listdir gives it stands for its own bytes
+            value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError as exc:  # half a surrogate pair ("\ud800" in the model's JSON) has no bytes
+            return refusal({"error": f"{call.tool}: {key!r} contains {exc.object[exc.start]!r}, which has no UTF-8 form"})
     return args
 
 
