@@ -32,8 +32,10 @@ isolation modes.
 namespace), a command that hit the sandbox's memory limit (an OOM kill), its process limit (a refused fork)
 or filled its disk quota, and a command the machinery could not start.
 
-**Change detection.** `Outcome.changed` is False when the upper dirs are still empty, or their listing
-(path, inode, size, mtime, ctime, mode) is unchanged, and the working directory and exports are unchanged.
+**Change detection.** `Outcome.changed` is False when the kernel reported no change to the sandbox's files
+during the call (fanotify on the tmpfs the sandbox writes into, see _changes: O(changes), not O(files)) and
+the working directory and exports are unchanged. Where fanotify is unavailable (no root), the files' listing
+(path, inode, size, mtime, ctime, mode) is compared instead, which walks them.
 
 **The system root.** Workspace directories are rarely complete root filesystems, so by default the host's
 `/` lies beneath them, read-only: bash, Python and the rest of the machine's tools work inside, writes to them
@@ -78,6 +80,7 @@ from ..base import Outcome, SandboxError
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
 from . import _isolation
 from ._cgroups import Cgroups, SandboxCgroup
+from ._changes import Watcher
 from ._isolation import Snapshot
 from ._jail import Jail, find_bwrap
 from ._mounts import Mounter
@@ -267,7 +270,7 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         self._cleanup_with(_cleanup, self._run, None)
         try:
             iso = _isolation.choose(isolation, self._run.path, self.workspace, self.system, disk=disk)
-            self._cleanup_with(_cleanup, self._run, iso.mounter)
+            self._cleanup_with(_cleanup, self._run, iso.mounter, iso.changes)
             if iso.mode != "copy":
                 self._check_tmp(iso, tmp_path.resolve())
             cgroups = Cgroups(self._run.name)
@@ -539,10 +542,13 @@ def _size(n: int | None) -> str:
     return f"{n} bytes"
 
 
-def _cleanup(run: RunDir, mounter: Mounter | None) -> None:
-    """Remove a factory's run dir (unmounting what is left, removing its cgroups) and stop its mount helper."""
+def _cleanup(run: RunDir, mounter: Mounter | None, changes: Watcher | None = None) -> None:
+    """Remove a factory's run dir (unmounting what is left, removing its cgroups), stop its mount helper and its
+    watch of changes."""
     try:
         run.remove()
     finally:
+        if changes is not None:
+            changes.close()
         if mounter is not None:
             mounter.close()

@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .._fdtree import OPEN_DIR, Walk, remove_tree
-from .._layers import LayerStore, copy_layer, listing, merge_layers, relisted
+from .._layers import LayerStore, copy_layer, listing, merge_layers
 from .._shell import ShellState
 from ..base import SandboxError
+from ._changes import Watch, Watcher
 from ._layout import DEVICES, Layout, build_layout
 from ._mounts import HelperMounter, Mounter, MountSpace, PrivateMounter
 from ._rundir import mounts_below
@@ -84,6 +85,7 @@ class Isolation(ABC):
         self.layout: Layout = build_layout(
             self.mode, workspace, system, run / "skeleton", opaque_xattr=mounter.opaque_xattr
         )
+        self.changes = Watcher()
 
     @property
     def inodes(self) -> int | None:
@@ -128,6 +130,7 @@ class SandboxRoot(ABC):
         self.box = box
         self.path = str(box / "root")
         self._space: MountSpace | None = None
+        self._watch: Watch | None = None
 
     @property
     def space(self) -> MountSpace:
@@ -150,9 +153,22 @@ class SandboxRoot(ABC):
     @abstractmethod
     async def _start(self, snap: Snapshot) -> None: ...
 
-    @abstractmethod
     async def changed(self) -> bool:
-        """Did the files change since the last look?"""
+        """Did the files change since the last look? From the kernel's account of changes where it keeps one (see
+        _changes), else by walking the tree (`_relisted`)."""
+        if self._watch is None:
+            return await self._relisted()
+        return self._watch.take().events > 0
+
+    @abstractmethod
+    async def _relisted(self) -> bool:
+        """Did the files change since the last listing (see `_layers.listing`)? Lists them anew."""
+
+    async def _watch_or_list(self) -> None:
+        """Once the root is mounted: watch its scratch filesystem for changes, or list its files to compare with."""
+        self._watch = self.iso.changes.watch(self.scratch())
+        if self._watch is None:
+            await self._relisted()
 
     @abstractmethod
     def scratch(self) -> str:
@@ -176,6 +192,9 @@ class SandboxRoot(ABC):
     async def remove(self) -> None:
         """Unmount everything and delete the box (the snapshots it made stay)."""
         space, self._space = self._space, None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if space is not None:
 
             def unmount() -> None:
@@ -264,9 +283,9 @@ class LayeredRoot(SandboxRoot):
         if self.layer is not None:
             await asyncio.to_thread(self._fill, self.layer)
         await self.space.run(self._mount)
-        # Listed once mounted (mounting sets xattrs on the upper dirs): changes count from here, also a file made
-        # and deleted by one command, which leaves an upper dir empty but its times changed.
-        await asyncio.to_thread(self._list_uppers)
+        # Once mounted (mounting sets xattrs on the upper dirs): changes count from here, also a file made and
+        # deleted by one command, which leaves an upper dir empty but its times changed.
+        await self._watch_or_list()
 
     def _new_scratch(self) -> None:
         """The tmpfs of the (empty) upper and work dirs."""
@@ -285,10 +304,6 @@ class LayeredRoot(SandboxRoot):
                 os.rmdir(self._upper(k))
                 copy_layer(str(frozen), self._upper(k))
 
-    def _list_uppers(self) -> None:
-        for k in range(len(self._listings)):
-            self._listings[k] = listing(self._upper(k))
-
     def _mount(self) -> None:
         """The overlays of the layout's lower dirs under the upper dirs, and the layout's binds."""
         scratch = self._scratch_mount()
@@ -298,11 +313,15 @@ class LayeredRoot(SandboxRoot):
         self.iso.mount_binds(self.space, self.path)
 
     async def changed(self) -> bool:
-        changed = False
-        for k in range(len(self._listings)):
-            moved, self._listings[k] = await relisted(self._upper(k), self._listings[k])
-            changed = changed or moved
+        changed = await super().changed()
         self._dirty = self._dirty or changed
+        return changed
+
+    async def _relisted(self) -> bool:
+        changed = False
+        for k, before in enumerate(self._listings):
+            self._listings[k] = await asyncio.to_thread(listing, self._upper(k))
+            changed = changed or self._listings[k] != before
         return changed
 
     async def freeze(self, state: ShellState) -> Snapshot:
@@ -421,15 +440,15 @@ class CopiedRoot(SandboxRoot):
         await self.space.run(mount)
         tree = self.space.view(self._tree)
         await asyncio.to_thread(copy_layer, str(snap.copy), tree)
-        self._listing = await asyncio.to_thread(listing, tree)
 
         def bind() -> None:
             self.space.bind(self._tree, self.path, readonly=False)
             self.iso.mount_binds(self.space, self.path)
 
         await self.space.run(bind)
+        await self._watch_or_list()
 
-    async def changed(self) -> bool:
+    async def _relisted(self) -> bool:
         now = await asyncio.to_thread(listing, self.space.view(self._tree))
         changed = now != self._listing
         self._listing = now
