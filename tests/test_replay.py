@@ -249,6 +249,52 @@ def test_an_answer_that_depends_on_the_pace_of_calls_is_not_counted_as_wrong() -
     assert run.compared == 3 and run.nondeterministic == 2 and run.wrong_answers == 0
 
 
+def test_a_reexecution_that_agrees_with_the_oracle_by_chance_does_not_make_an_answer_wrong() -> None:
+    """A tool printing something that varies little (a process id, a file's inode) can give the oracle's answer
+    again on one re-execution by chance: a single re-execution counted tvcache's correct answer as wrong (1
+    incorrect hit here); a second re-execution that differs from the oracle shows the tool is not deterministic."""
+    # In turn: the oracle's epoch 1, tvcache's execution, the oracle's epoch 2 (tvcache hits), the re-executions.
+    printed = iter(["pid 41", "pid 41", "pid 42", "pid 42"])  # then "pid 41" for ever
+
+    def timed(state: dict[str, str], call: Any) -> str:
+        return next(printed, "pid 41")
+
+    boxes = PythonSandboxes(make=dict, run=timed, fingerprint="timed")
+    traces = [Trace("t", "r", "", [TraceCall("pid", {})])]
+    workload = Workload("timed", traces, lambda task: boxes, Tools(read_only={"pid"}))
+    options = ReplayOptions(progress=False, epochs=2, prefetch=False)
+    result = asyncio.run(replay_strategies(workload, ["none", "tvcache"], options))
+    run = result.strategies["tvcache"]
+    assert run.hits == 1 and run.compared == 2
+    assert run.incorrect_hits == 0 and run.wrong_answers == 0 and run.nondeterministic == 1
+
+
+def test_answers_that_differ_only_in_a_printed_duration_are_the_same_answer() -> None:
+    """Test runners print how long they took ("Ran 9 tests in 0.004s", "3 passed in 0.12s"): one run of the same
+    command in the same state prints 0.003s alone and 0.009s among eight others. The check against the oracle
+    compares answers with such durations masked; every other difference still counts."""
+    # In turn: the oracle, the strategy; the oracle, the strategy (whose answer differs in more than the duration).
+    printed = iter(["Ran 9 tests in 0.003s\nOK", "Ran 9 tests in 0.009s\nOK", "in 0.003s\nOK", "in 0.012s\nFAILED"])
+
+    def timed(state: dict[str, str], call: Any) -> str:
+        return next(printed)
+
+    boxes = PythonSandboxes(make=dict, run=timed, fingerprint="durations")
+    traces = [Trace("t", "r", "", [TraceCall("unittest", {})])]
+    workload = Workload("durations", traces, lambda task: boxes, Tools(read_only={"unittest"}))
+    options = ReplayOptions(progress=False, prefetch=False, verify=False)
+    result = asyncio.run(replay(workload, [NoCacheStrategy(), Renamed("again")], options))
+    assert result.strategies["again"].compared == 1 and result.strategies["again"].wrong_answers == 0
+    result = asyncio.run(replay(workload, [NoCacheStrategy(), Renamed("third")], options))
+    assert result.strategies["third"].wrong_answers == 1
+
+
+class Renamed(NoCacheStrategy):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+
 def test_without_an_oracle_nothing_is_compared() -> None:
     result = asyncio.run(
         replay(numbered_workload(1, 2, 2), [Liar("liar", {(0, 0): True})], ReplayOptions(progress=False))

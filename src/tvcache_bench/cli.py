@@ -5,6 +5,7 @@ and `import tvcache` never load the benchmarks.
 
     tvcache bench sql [--tasks N] [--epochs E] [--rollouts R] [--seed S] [--no-tpch] [common]
     tvcache bench swe [--tasks N] [--epochs E] [--timeout S] [common]
+    tvcache bench terminal [--tasks N] [--epochs E] [--timeout S] [common]
     tvcache bench airline [--tasks N] [--epochs E] [--latency S] [common]
     tvcache bench video [--tasks N] [--epochs E] [--rollouts R] [--seed S] [common]
     tvcache bench grpo [--steps N] [--seed S] [--json OUT] [--charts DIR]
@@ -45,6 +46,7 @@ BENCHES = {
     "quick": "the main job: one minute of SQL rollouts, tvcache against no cache, a naive cache and the published one",
     "sql": "SQL rollouts on the real databases (Spider-de, Geography) plus seconds-long TPC-H queries",
     "swe": "SWE-agent bash rollouts (traces/swe-dev.jsonl) in workspace sandboxes holding each project",
+    "terminal": "terminal-agent bash rollouts on six Terminal-Bench-style tasks in workspace sandboxes, 2 epochs",
     "airline": "tau-bench airline rollouts (traces/tau-airline.jsonl) on the 14 airline tools",
     "video": "video question answering on real clips: load, preprocess (OpenCV features), then read-only analyses",
     "synthetic": "a parametric GRPO workload for scale: thousands of rollouts, 10^5+ graph nodes",
@@ -218,7 +220,9 @@ def _workspace_sandboxes(args: argparse.Namespace) -> bool:
     """Does the command run workspace sandboxes (which need bubblewrap)?"""
     if args.command == "replay":
         return bool(args.sandbox == "workspace")
-    return bool(args.workload in ("swe", "video", "sandbox", "docker"))  # docker: from_image beside containers
+    return bool(
+        args.workload in ("swe", "terminal", "video", "sandbox", "docker")
+    )  # docker: from_image beside containers
 
 
 def _fail(command: str, message: str) -> NoReturn:
@@ -330,6 +334,7 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # many to hold every strategy's at once in tmpfs.
     "sql": {"tasks": 40, "epochs": 1, "rollouts": 8, "seed": 0, "no_tpch": False, "turns": "strategy"},
     "swe": {"tasks": None, "epochs": 1, "timeout": 60.0, "no_warmup": False, "turns": "step"},
+    "terminal": {"tasks": None, "epochs": 2, "timeout": 60.0, "no_warmup": False, "turns": "step"},
     "airline": {"tasks": None, "epochs": 1, "latency": 0.05, "turns": "step"},
     "video": {"tasks": None, "epochs": 1, "rollouts": 8, "seed": 0, "turns": "step"},
     "grpo": {"steps": 10, "seed": 0},
@@ -343,7 +348,7 @@ _REPLAY_OPTIONS = {
     "turn_time": "realistic",
     "turn_seed": 0,
 }
-for _options in ("sql", "swe", "airline", "video"):
+for _options in ("sql", "swe", "terminal", "airline", "video"):
     BENCH_DEFAULTS[_options].update(_REPLAY_OPTIONS)
 
 
@@ -351,13 +356,16 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
     """Options `tvcache bench` takes besides `--json`; each workload says which apply (`BENCH_DEFAULTS`)."""
     parser.add_argument("--charts", metavar="DIR", help="write PNG charts into DIR")
     parser.add_argument(
-        "--tasks", type=_positive_int, metavar="N", help="(sql, swe, airline, video) the first N tasks (sql default 40)"
+        "--tasks",
+        type=_positive_int,
+        metavar="N",
+        help="(sql, swe, terminal, airline, video) the first N tasks (sql default 40)",
     )
     parser.add_argument(
         "--epochs",
         type=_positive_int,
         metavar="E",
-        help="(sql, swe, airline, video) replay the rollouts E times (default 1)",
+        help="(sql, swe, terminal, airline, video) replay the rollouts E times (default 1; terminal 2)",
     )
     parser.add_argument(
         "--rollouts", type=_positive_int, metavar="R", help="(sql, video) rollouts per task (default 8)"
@@ -374,57 +382,60 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
         help="(airline) simulated service latency per tool execution, seconds (default 0.05; 0: none)",
     )
     parser.add_argument(
-        "--timeout", type=_positive_float, metavar="S", help="(swe) seconds a command may run (default 60)"
+        "--timeout", type=_positive_float, metavar="S", help="(swe, terminal) seconds a command may run (default 60)"
     )
     parser.add_argument(
         "--no-warmup",
         action="store_true",
         default=None,
-        help="(swe) skip the untimed uncached pass that runs before the measured ones",
+        help="(swe, terminal) skip the untimed uncached pass that runs before the measured ones",
     )
     parser.add_argument(
         "--turns",
         choices=("step", "strategy"),
-        help="(sql, swe, airline, video) how strategies take turns: step by step, or each strategy's whole schedule "
-        "(default: strategy for sql, step for the others; see `tvcache replay --help`)",
+        help="(sql, swe, terminal, airline, video) how strategies take turns: step by step, or each strategy's whole "
+        "schedule (default: strategy for sql, step for the others; see `tvcache replay --help`)",
     )
     parser.add_argument(
         "--batch",
         type=_positive_int,
         metavar="B",
-        help="(sql, swe, airline, video) tasks per training step (default 4)",
+        help="(sql, swe, terminal, airline, video) tasks per training step (default 4)",
     )
     parser.add_argument(
         "--concurrency",
         type=_positive_int,
         metavar="C",
-        help="(sql, swe, airline, video) rollouts in flight (default 8)",
+        help="(sql, swe, terminal, airline, video) rollouts in flight (default 8)",
     )
     parser.add_argument(
         "--strategies",
         type=_strategies,
         metavar="LIST",
-        help=f"(sql, swe, airline, video) comma-separated, from {','.join(STRATEGIES)} (default: all)",
+        help=f"(sql, swe, terminal, airline, video) comma-separated, from {','.join(STRATEGIES)} (default: all)",
     )
     parser.add_argument(
         "--store",
         metavar="URL",
-        help="(sql, swe, airline, video) tvcache's store (default: in memory); (redis) the Redis server to measure",
+        help="(sql, swe, terminal, airline, video) tvcache's store (default: in memory); (redis) the Redis server to "
+        "measure",
     )
     parser.add_argument(
         "--no-progress",
         action="store_true",
         default=None,
-        help="(quick, synthetic, sql, swe, airline, video) no progress bars",
+        help="(quick, synthetic, sql, swe, terminal, airline, video) no progress bars",
     )
     parser.add_argument(
         "--turn-time",
         type=_turn_time,
         metavar="SPEC",
-        help="(quick, sql, swe, airline, video) the model's turn between a rollout's calls: none, fixed:SECONDS, "
-        f"lognormal:MEDIAN[:SIGMA] or realistic ({REALISTIC}); default realistic, none for quick (under a minute)",
+        help="(quick, sql, swe, terminal, airline, video) the model's turn between a rollout's calls: none, "
+        f"fixed:SECONDS, lognormal:MEDIAN[:SIGMA] or realistic ({REALISTIC}); default realistic, none for quick",
     )
-    parser.add_argument("--turn-seed", type=int, metavar="S", help="(quick, sql, swe, airline, video) its seed")
+    parser.add_argument(
+        "--turn-seed", type=int, metavar="S", help="(quick, sql, swe, terminal, airline, video) its seed"
+    )
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -474,14 +485,21 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             return sql.build_workload(tasks=o["tasks"], rollouts=o["rollouts"], seed=o["seed"], tpch=not o["no_tpch"])
 
         return _replay_bench(build_sql, options, o, charts, describe=sql.describe)
+    # A call's own time limit is the sandbox's (`--timeout`, the same for every strategy); the replay's limit
+    # only guards against a hang, since it also counts the restores and replays a cached strategy does for it.
+    options = replace(options, timeout=max(600.0, 10 * o["timeout"]))
+    if workload == "terminal":
+        from .workloads import terminal
+
+        def build_terminal() -> Workload:
+            return terminal.build_workload(o["tasks"], timeout=o["timeout"])
+
+        return _replay_bench(build_terminal, options, o, charts, describe=terminal.describe, warmup=not o["no_warmup"])
     from .workloads import swe
 
     def build_swe() -> Workload:
         return swe.build_workload(o["tasks"], timeout=o["timeout"], log=_say)
 
-    # A call's own time limit is the sandbox's (`--timeout`, the same for every strategy); the replay's limit
-    # only guards against a hang, since it also counts the restores and replays a cached strategy does for it.
-    options = replace(options, timeout=max(600.0, 10 * o["timeout"]))
     # The first pass of workspace sandboxes in a process ran 12-14% slower than identical later ones here
     # (measured with three uncached passes in a row), which would count as speedup for every cached strategy:
     # an untimed uncached pass first puts the baseline on the same footing.

@@ -1,0 +1,3 @@
+from .core import mean, median, mode, quantile, stdev, variance
+
+__all__ = ["mean", "median", "mode", "quantile", "stdev", "variance"]
