@@ -7,10 +7,15 @@ The model is the one stand-in: a scripted policy behind an OpenAI-compatible end
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import json
 import os
 import re
+import sqlite3
+import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,7 @@ except ImportError:  # no transformers, nothing patched
 
 from frameworks import ScriptedLLM, load_example, plan_of, rewards_of, run_example  # noqa: E402
 
-example = load_example("art_rollouts")
+example = load_example("art_sandbox_rollouts")
 
 TMP = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
@@ -159,9 +164,342 @@ def test_the_example_runs_without_arguments_on_its_scripted_policy(tmp_path: Pat
     directory. 8 rollouts take the 3 plans in turn (fix: 1.0, look and give up: 2 of 3 tests, fix after an `ls`
     laid out otherwise: 1.0); two final states, so two gradings execute; the second epoch's calls and gradings all
     hit."""
-    lines = run_example("art_rollouts", tmp_path)
+    lines = run_example("art_sandbox_rollouts", tmp_path)
     assert rewards_of(lines[0]) == [0.67] * 3 + [1.0] * 5  # plans 0, 1, 2, 0, 1, 2, 0, 1
     assert lines[0].endswith("; 2 of 8 gradings executed")
     assert rewards_of(lines[1]) == [0.67] * 2 + [1.0] * 6  # plans 2, 0, 1, 2, 0, 1, 2, 0
     assert re.search(r"; (\d+) of \1 tool calls hit; 0 of 8 gradings executed$", lines[1]), lines[1]
     assert re.fullmatch(r"cache: \d+ calls, \d+ hits, \d+ executions, [\d.]+ s of tool time saved", lines[2])
+
+
+# -- the drop-in for tools over Python state: ART alone next to ART + cached_tools ---------------------------------
+#
+# What follows is an ART user's program: tools as methods of a state object the rollout makes, a rollout function
+# that asks the model (through `art.Model`'s own OpenAI client), runs the tools the model called and rewards the
+# state it left. It runs twice over two epochs, as written (`wrap` is `lambda shop: shop`) and with the one-line
+# drop-in (`wrap` is `cached_tools`); the model is the one stand-in, the scripted policy on loopback.
+
+
+class Refusal(Exception):
+    """An exception whose constructor takes more than a message (it does not unpickle as it pickles)."""
+
+    def __init__(self, tool: str, why: str) -> None:
+        super().__init__(f"{tool} refused: {why}")
+
+
+class Store:
+    """A database handle kept in the state; it copies by its content (`serialize`)."""
+
+    def __init__(self, items: tuple[tuple[str, float], ...]) -> None:
+        self.db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        self.db.execute("CREATE TABLE item(name TEXT, price REAL)")
+        self.db.executemany("INSERT INTO item VALUES (?, ?)", items)
+
+    def __getstate__(self) -> bytes:
+        return self.db.serialize()
+
+    def __setstate__(self, content: bytes) -> None:
+        self.db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        self.db.deserialize(content)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shopping:
+    question: str
+    items: tuple[tuple[str, float], ...]
+    expected: str
+
+
+class Shop:
+    """The tools: state in `self` (a database, notes, the last result, the answer), results of other types than
+    `str`, a shell with its own timeout, an exception after a change, an async tool."""
+
+    def __init__(self, scenario: Shopping) -> None:
+        self.store = Store(scenario.items)
+        self.notes: list[str] = []
+        self.last: Any = None
+        self.answer: str | None = None
+
+    def sql(self, query: str) -> str:
+        self.last = self.store.db.execute(query).fetchall()
+        return str(self.last)
+
+    def note(self, text: str, times: int = 1) -> tuple[int, str]:
+        self.notes.extend([text] * times)
+        return len(self.notes), text[:20]
+
+    def shell(self, command: str) -> str:
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=1)
+        return f"exit {done.returncode}\n{done.stdout}--\n{done.stderr}"
+
+    def refuse(self, why: str) -> str:
+        self.notes.append("refused")  # a change before the exception: kept, as without tvcache
+        raise Refusal("refuse", why)
+
+    async def lookup(self, name: str) -> list[float]:
+        await asyncio.sleep(0)
+        return [price for (price,) in self.store.db.execute("SELECT price FROM item WHERE name = ?", (name,))]
+
+    def submit(self, answer: str) -> str:
+        self.answer = answer
+        return "submitted"
+
+
+SHOP_TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+    for name in ("sql", "note", "shell", "refuse", "lookup", "submit")
+]
+
+
+async def shop_rollout(model: Any, scenario: Shopping, wrap: Callable[[Shop], Shop]) -> Any:
+    """The user's rollout function; `wrap` is the only thing the two runs do differently."""
+    shop = wrap(Shop(scenario))
+    client = model.openai_client()
+    trajectory = art.Trajectory(
+        messages_and_choices=[
+            {"role": "system", "content": "Answer with the tools."},
+            {"role": "user", "content": scenario.question},
+        ],
+        tools=SHOP_TOOLS,
+    )
+    for _ in range(6):
+        response = await client.chat.completions.create(
+            model=model.get_inference_name(), messages=trajectory.messages(), tools=SHOP_TOOLS
+        )
+        choice = response.choices[0]
+        trajectory.messages_and_choices.append(choice)
+        if not choice.message.tool_calls:
+            break
+        for tool_call in choice.message.tool_calls:
+            name = tool_call.function.name
+            try:
+                if name.startswith("_"):
+                    raise LookupError(f"no tool {name}")
+                result = getattr(shop, name)(**json.loads(tool_call.function.arguments))
+                if inspect.isawaitable(result):
+                    result = await result
+                content = result if isinstance(result, str) else repr(result)
+            except Exception as exc:
+                content = f"{type(exc).__name__}: {exc}"
+            trajectory.messages_and_choices.append({"role": "tool", "tool_call_id": tool_call.id, "content": content})
+    # The reward reads the state the rollout left (attributes, the database through its handle).
+    (count,) = shop.store.db.execute("SELECT count(*) FROM item").fetchone()
+    trajectory.reward = float(shop.answer == scenario.expected) + len(shop.notes) / 10 + count / 100
+    return trajectory
+
+
+def call(name: str, arguments: Any) -> tuple[str, str]:
+    return (name, arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+COUNT = "SELECT count(*) FROM item"
+SHOP_PLANS: list[list[list[tuple[str, str]]]] = [
+    [
+        [call("sql", {"query": "DELETE FROM item WHERE price > 2"})],
+        [call("sql", {"query": COUNT})],
+        [call("submit", {"answer": "1"})],
+    ],  # writes, then an answer
+    [[call("sql", {"query": COUNT})], [call("submit", {"answer": "3"})]],  # read-only, right
+    [
+        [call("shell", {"command": "echo out1; echo err1 >&2; echo out2; exit 3"})],
+        [call("submit", {"answer": "3"})],
+    ],  # streams, non-zero exit
+    [[call("shell", {"command": "sleep 5"})], [call("sql", {"query": COUNT})]],  # the tool's own timeout
+    [[call("sql", '{"query": "SELECT 1"')], [call("submit", {"answer": "2"})]],  # malformed JSON; a wrong answer
+    [
+        [call("drop_everything", {})],
+        [call("sql", {"query": 5})],
+        [call("sql", {"statement": COUNT})],
+        [call("sql", {})],
+    ],  # unknown tool, wrong type, unknown and missing argument
+    [
+        [call("note", {"text": "a", "times": "2"}), call("store", {}), call("_private", {}), call("submit", '["3"]')]
+    ],  # wrong type; not a tool; not an object
+    [
+        [call("note", {"text": "n" * 1_000_000})],
+        [call("shell", {"command": "head -c 300000 /dev/zero | tr '\\0' x"})],
+    ],  # huge argument, huge output
+    [
+        [
+            call("note", {"text": "a"}),
+            call("note", {"text": "b", "times": 2}),
+            call("lookup", {"name": "pear"}),
+            call("sql", {"query": COUNT}),
+        ]
+    ],  # several in one turn
+    [
+        [call("refuse", {"why": "no"})],
+        [call("sql", {"query": "SELEC oops"})],
+        [call("submit", {"answer": "3"})],
+    ],  # raises after a change; SQL error
+    [
+        [call("sql", '{ "query" :\n "SELECT count(*) FROM item" }')],
+        [call("submit", {"answer": "3"})],
+    ],  # plan 1's calls laid out otherwise
+    [],  # no call at all
+]
+SHOPPING = Shopping("How many items are there?", (("apple", 1.5), ("pear", 2.5), ("plum", 3.0)), "3")
+
+
+class PlanIds(ScriptedLLM):
+    """The scripted policy with call ids from the plan, turn and position, so that two runs whose rollouts the
+    scheduler interleaves differently still show the model the same bytes."""
+
+    def respond(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        message = super().respond(messages)
+        answers = [m for m in messages if m.get("role") == "assistant"]
+        plan = plan_of(str(answers[0]["content"] if answers else message["content"]))
+        for i, tool_call in enumerate(message.get("tool_calls", [])):
+            tool_call["id"] = f"call_{plan}_{len(answers)}_{i}"
+        return message
+
+
+async def run_shop(wrap: Callable[[Shop], Shop]) -> list[tuple[list[str], dict[int, tuple[str, float]]]]:
+    """Two epochs of a group of one rollout per plan through ART's gathering: per epoch, the model's requests
+    (sorted) and per plan the trajectory's messages and reward."""
+    epochs = []
+    async with PlanIds(SHOP_PLANS) as llm:
+        model = art.Model(
+            name="parity",
+            project="tvcache",
+            inference_model_name="scripted",
+            inference_base_url=llm.url,
+            inference_api_key="none",
+        )
+        for epoch in range(2):
+            seen = len(llm.requests)
+            (group,) = await art.gather_trajectory_groups(
+                [art.TrajectoryGroup(shop_rollout(model, SHOPPING, wrap) for _ in SHOP_PLANS)], pbar_desc=None
+            )
+            requests = sorted(json.dumps(body["messages"], sort_keys=True) for body in llm.requests[seen:])
+            by_plan = {}
+            for trajectory in group.trajectories:
+                messages = trajectory.messages()
+                by_plan[plan_of(str(messages[2]["content"]))] = (
+                    json.dumps(messages, sort_keys=True),
+                    trajectory.reward,
+                )
+            assert sorted(by_plan) == list(range(len(SHOP_PLANS))), epoch
+            epochs.append((requests, by_plan))
+    return epochs
+
+
+def test_cached_tools_show_the_model_what_art_alone_shows_and_pay_the_same() -> None:
+    from tvcache.integrations.art import cached_tools, close, results
+
+    shops: list[Shop] = []
+    with tvcache.SyncToolCache(max_output_bytes=100_000) as cache:
+
+        def cached(shop: Shop) -> Shop:
+            shops.append(cached_tools(shop, cache=cache))
+            return shops[-1]
+
+        plain = asyncio.run(run_shop(lambda shop: shop))
+        through = asyncio.run(run_shop(cached))
+        per_epoch = [
+            [r for shop in shops[k * len(SHOP_PLANS) : (k + 1) * len(SHOP_PLANS)] for r in results(shop)]
+            for k in (0, 1)
+        ]
+        for shop in shops:
+            close(shop)
+        failures = cache.stats()["failures"]
+
+    for epoch, ((requests, by_plan), (requests_cached, by_plan_cached)) in enumerate(zip(plain, through, strict=True)):
+        assert requests_cached == requests, epoch  # every request the model got, byte for byte
+        for plan in by_plan:
+            assert by_plan_cached[plan] == by_plan[plan], (epoch, plan)  # messages and reward
+    rewards = {plan: reward for plan, (_, reward) in plain[0][1].items()}
+    # The plain run's own rewards, as the user's reward function computes them: a write then a wrong answer (1 item
+    # left), right answers, a wrong one, three notes; the cached run's are equal to these (above).
+    assert [rewards[k] for k in (0, 1, 2, 4, 8)] == pytest.approx([0.01, 1.03, 1.03, 0.03, 0.33]), rewards
+    tool_messages = json.loads(plain[0][1][3][0])
+    assert "TimeoutExpired: Command '['bash', '-c', 'sleep 5']' timed out after 1 seconds" in json.dumps(tool_messages)
+
+    first, second = per_epoch
+    assert 0 < sum(r.hit for r in first) < len(first)  # plan 10 repeats plan 1's calls
+    # The second epoch hits everything but what must run again: the output over the cache's max_output_bytes, and
+    # the timed-out call, a failure that is never recorded (it raised in both epochs, so it has no result).
+    missed = [r for r in second if not r.hit]
+    assert len(second) > 20 and [len(r.output) for r in missed] == [300_010], [r.output for r in missed]
+    assert failures == 2
+
+
+def test_cached_tools_refuse_what_they_cannot_keep_identical() -> None:
+    """Outside writes, state that does not copy, objects without attributes: clear errors, nothing cached."""
+    from tvcache.integrations.art import cached_tools
+
+    with tvcache.SyncToolCache() as cache:
+        shop = cached_tools(Shop(SHOPPING), cache=cache)
+        with pytest.raises(AttributeError, match=r"Shop.answer cannot be changed from outside its methods"):
+            shop.answer = "3"
+        with pytest.raises(TypeError, match="already goes through tvcache"):
+            cached_tools(shop, cache=cache)
+
+        class Counter:  # state in a closure: it would not be the sandbox's
+            def __init__(self) -> None:
+                n = [0]
+                self.bump = lambda: n.append(n[-1] + 1)
+
+        with pytest.raises(TypeError, match=r"Counter's attributes by pickle.*closures"):
+            cached_tools(Counter(), cache=cache)
+        with pytest.raises(TypeError, match="no attributes of its own"):
+            cached_tools({"board": []}, cache=cache)
+
+
+def test_another_starting_state_is_another_scope_and_a_dropped_object_ends_its_rollout() -> None:
+    import gc
+
+    from tvcache.integrations.art import cached_tools, results
+
+    other = dataclasses.replace(SHOPPING, items=(("fig", 9.0),))
+    with tvcache.SyncToolCache() as cache:
+        seen, factories = [], set()
+        for scenario in (SHOPPING, other, SHOPPING):
+            shop = cached_tools(Shop(scenario), cache=cache)
+            seen.append((shop.sql(COUNT), results(shop)[0].hit))
+            factories.add(shop.__dict__["_tvcache"].rollout.rollout._live._sandboxes)
+        assert seen == [("[(3,)]", False), ("[(1,)]", False), ("[(3,)]", True)]
+        assert len(factories) == 2
+
+        def live() -> int:  # sandboxes open in the two factories (a rollout that is not closed keeps its own)
+            return sum(len(factory._live) for factory in factories)
+
+        def settled() -> int:  # a close is handed to the cache's loop: let it run there
+            for _ in range(1000):
+                if not live():
+                    break
+                cache._run(asyncio.sleep(0))
+            return live()
+
+        # The first two objects are gone and so are their sandboxes; the third rollout only hit: it has none.
+        assert settled() == 0
+        shop.note("x")  # a miss: the third rollout's sandbox
+        assert live() == 1
+        del shop
+        gc.collect()
+        assert settled() == 0
+
+
+def test_the_tools_example_gives_what_art_alone_gives(tmp_path: Path) -> None:
+    """examples/art_rollouts.py (the drop-in as users write it) against its own `--plain` run: per plan, the same
+    messages and reward in both epochs; run as a newcomer runs it, the second epoch's calls all hit."""
+    tools_example = load_example("art_rollouts")
+
+    def per_plan(steps: list[list[Any]]) -> list[dict[int, tuple[str, float]]]:
+        return [
+            {
+                plan_of(str(t.messages()[2]["content"])): (json.dumps(t.messages(), sort_keys=True), t.reward)
+                for t in step
+            }
+            for step in steps
+        ]
+
+    plain = per_plan(asyncio.run(tools_example.main(rollouts=4, cached=False)))
+    cached = per_plan(asyncio.run(tools_example.main(rollouts=4)))
+    assert cached == plain and all(len(epoch) == 4 for epoch in plain)
+    assert [plain[0][k][1] for k in range(4)] == [1.0, 0.0, 1.0, 0.0]
+
+    lines = run_example("art_rollouts", tmp_path)
+    assert rewards_of(lines[0]) == rewards_of(lines[1]) == [0.0] * 4 + [1.0] * 4
+    assert lines[0].endswith("; 11 of 18 tool calls hit")  # plan 2 repeats plan 0's calls; 0 and 2 run twice
+    assert lines[1].endswith("; 18 of 18 tool calls hit"), lines[1]

@@ -1,48 +1,186 @@
 """ART (OpenPipe's Agent Reinforcement Trainer): rollout functions whose tool calls go through tvcache.
 
-    import art, tvcache
-    from tvcache.integrations.art import cached_rollout
+An ART rollout function is the user's own code: it asks the model (an OpenAI-compatible client), runs the tools the
+model called, and returns an `art.Trajectory` with the messages and a reward. ART has no tool layer to swap, so the
+drop-in wraps what the tools live on.
+
+**Tools over Python state** (`cached_tools`). The tools are methods of a state object the rollout makes (a game, a
+database, an inbox):
+
+    async def rollout(model: art.Model, scenario: Scenario) -> art.Trajectory:
+        shop = cached_tools(Shop(scenario))              # was: shop = Shop(scenario); nothing else changes
+        ...
+        result = getattr(shop, tool_call.function.name)(**json.loads(tool_call.function.arguments))
+        ...
+        trajectory.reward = shop.reward()
+
+`cached_tools(obj)` returns `obj` itself, its tool methods (its public functions) going through a tvcache rollout.
+The object's attributes as it was made are the root of a `PythonSandboxes` (snapshotted by copy), and the scope is
+a digest of that state and of the class's source, so rollouts that start from the same state share results and
+different starting states never do. A call is looked up in the cache; on a miss the method's own body runs on the
+sandbox's copy of the object (what it keeps in `self` included), and what it returned, or raised, is recorded
+exactly (a `str` as it is, anything else by pickle), so a hit returns or raises the same thing, of the same type.
+A method that raises `TimeoutError` or `subprocess.TimeoutExpired` failed: its exception reaches the rollout as it
+would without tvcache, nothing is recorded, and the next call starts from the state before it.
+
+Reading an attribute of the object from outside (`shop.answer` in the reward) first brings it up to date
+("materialises" it): the rollout's sandbox at its current state is built (a rollout that only hit never had one)
+and its attributes are copied back. Setting one from outside raises `AttributeError`: the sandbox would never see
+it. The tvcache rollout ends when the object is garbage-collected (when the rollout function returns, for a local
+variable) or at `close(obj)`.
+
+What the object must allow (the differences from ART alone, docs/frameworks/art.md): its attributes are pickled
+(to fingerprint and copy the state) and deep-copied (snapshots), so a handle (a database connection) needs
+`__getstate__`/`__setstate__`; state kept outside it (globals, files, a closure) is not the sandbox's, and a hit
+does not run the method; arguments must be JSON values (a model's are). Methods run on the cache's thread, one call
+at a time per sandbox: a plain method blocks the rollout's event loop until it answers (as it does without
+tvcache), an async one is awaited. `results(obj)` lists the `Result` of each call (hit or not, seconds).
+
+**Tools in a sandbox** (`cached_rollout`). Tools that work on files or a shell belong in a tvcache sandbox
+(`WorkspaceSandboxes`, `DockerSandboxes`): decorate the rollout function, and call them through
+`tvcache.current_rollout()`:
 
     @cached_rollout(sandboxes=boxes, cache=cache)
     async def rollout(model: art.Model, scenario: Scenario) -> art.Trajectory:
         r = tvcache.current_rollout()                     # this rollout, at its scenario's task
-        ...
-        for tool_call in choice.message.tool_calls:       # as the model emitted them
-            result = await r.call(*tvcache.parse_tool_call(tool_call))
+        result = await r.call(*tvcache.parse_tool_call(tool_call))
         reward = (await r.grade("bash", {"command": "pytest -q"})).output
 
-    groups = await art.gather_trajectory_groups(
-        art.TrajectoryGroup(rollout(model, s) for _ in range(8)) for s in scenarios
-    )
+The decorator opens a tvcache rollout around each call of the rollout function. The task id comes from the scenario
+argument: `task_key(scenario)`, a hash of its content, the same for the rollouts of a group and in every epoch;
+pass `task=` to use the scenario's own id. `sandboxes` may be a function of the scenario; it must return the same
+factory object for the same scenario, since a factory's snapshots can be restored only by it (`process_sandboxes`).
 
-The decorator opens a tvcache rollout around each call of the rollout function, so everything the function does
-through `tvcache.current_rollout()` (or `ToolFunctions` wrappers, which find it themselves) is cached. The task
-id comes from the scenario argument: `task_key(scenario)`, a hash of its content, the same for the eight rollouts
-of a group and in every epoch, different for different scenarios; pass `task=` to use the scenario's own id.
-`sandboxes` may be a function of the scenario (a database per scenario, say); it must return the same factory
-object for the same scenario, since a factory's snapshots can be restored only by it (`process_sandboxes`).
-
-Nothing here imports ART: the rollout function is ART's, the decorator only frames it. Install ART with
-`pip install 'tvcache[art]'`.
+Nothing here imports ART. Install it with `pip install 'tvcache[art]'`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import inspect
+import pickle
+import subprocess
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, ParamSpec, TypeVar
 
 from ..cache import ToolCache
-from ..calls import Tools
+from ..calls import ToolCall, Tools
+from ..rollout import Result
 from ..sandboxes.base import Sandboxes
+from ..sync import SyncRollout, SyncToolCache
+from . import trl
 from .keys import task_key
 from .process import process_cache
 
-__all__ = ["cached_rollout"]
+__all__ = ["cached_rollout", "cached_tools", "close", "results"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
+
+#: Exceptions that mean a tool method failed rather than answered: never recorded.
+TIMEOUTS = (TimeoutError, subprocess.TimeoutExpired)
+
+
+def cached_tools(
+    obj: T, *, task: str | None = None, cache: SyncToolCache | None = None, tools: Tools | None = None
+) -> T:
+    """`obj`, its public methods (the tools) going through a tvcache rollout; see the module docstring.
+
+    - `task`: the task id (default: the class's qualified name; the scope is the object's starting state anyway).
+    - `cache`: a `SyncToolCache`, default `process_sync_cache()` (the `TVCACHE_URL` store, else memory).
+    - `tools`: annotations (read-only tools, uncacheable ones, key functions).
+    """
+    cls = type(obj)
+    if not isinstance(getattr(obj, "__dict__", None), dict) or isinstance(obj, type):
+        raise TypeError(
+            f"cached_tools takes an object whose public methods are the tools and whose attributes are their state; "
+            f"a {cls.__qualname__} has no attributes of its own (put the state and tools on a class)"
+        )
+    if trl._episode(obj) is not None:
+        raise TypeError(f"this {cls.__qualname__} already goes through tvcache")
+    name = task if task is not None else f"{cls.__module__}.{cls.__qualname__}"
+    episode = trl._Episode(cls, cache, lambda _row: name, tools, run=_run)
+    try:
+        episode.open(obj, {})
+    except TypeError as exc:  # the state does not pickle: say so in ART's terms
+        raise TypeError(
+            f"cached_tools copies a {cls.__qualname__}'s attributes by pickle, and they do not pickle "
+            f"({exc.__cause__ or exc}); give the attribute that holds a handle __getstate__/__setstate__ (a sqlite3 "
+            "connection: serialize()/deserialize()), and keep no state in closures"
+        ) from exc.__cause__
+    rollout = episode.rollout
+    assert rollout is not None
+    obj.__class__ = _cached_class(cls)
+    obj.__dict__[trl.EPISODE] = episode
+    weakref.finalize(obj, _end, rollout)
+    return obj
+
+
+def results(obj: Any) -> list[Result]:
+    """The results of the calls made through `obj`, in order."""
+    return list(_episode_of(obj).results)
+
+
+def close(obj: Any) -> None:
+    """End `obj`'s tvcache rollout now (else it ends when `obj` is garbage-collected); it stays readable as it is."""
+    episode = _episode_of(obj)
+    episode.materialise(obj)
+    episode.close()
+
+
+def _episode_of(obj: Any) -> trl._Episode:
+    episode = trl._episode(obj)
+    if episode is None:
+        raise TypeError(f"{type(obj).__name__} was not made by cached_tools()")
+    return episode
+
+
+def _end(rollout: SyncRollout) -> None:
+    """Close a rollout whose object is gone, from whatever thread collected it, without waiting (the cache's own
+    thread may be the one collecting)."""
+    inner = rollout.rollout
+    if not inner.loop.is_closed():  # else the cache closed it with itself
+        with contextlib.suppress(RuntimeError):  # closed in between
+            asyncio.run_coroutine_threadsafe(inner.close(), inner.loop)
+
+
+async def _run(cls: Any, state: trl.State, call: ToolCall) -> Any:
+    """A tool method on the sandbox's state (trl's), except that a timeout is a failure: raised, never recorded."""
+    output = await trl._run(cls, state, call)
+    if isinstance(output, dict) and "raised" in output:
+        raised = pickle.loads(bytes.fromhex(output["raised"]))
+        if isinstance(raised, TIMEOUTS):
+            raise raised
+    return output
+
+
+_classes: dict[type, type] = {}
+
+
+def _cached_class(cls: Any) -> type:
+    """`cls` with its public methods going through the object's rollout, attribute reads that see the rollout's
+    state, and attribute writes refused. Keeps the class's name, so messages that name it read the same."""
+    if cls in _classes:
+        return _classes[cls]
+    namespace: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    for name, method in inspect.getmembers(cls, predicate=inspect.isfunction):
+        if not name.startswith("_"):
+            namespace[name] = trl._tool_method(name, method)
+    namespace["__getattribute__"] = trl._reading(cls.__getattribute__, frozenset(namespace))
+    namespace["__setattr__"] = namespace["__delattr__"] = _refused
+    made = _classes[cls] = type(cls.__name__, (cls,), namespace)
+    return made
+
+
+def _refused(self: Any, name: str, *value: Any) -> None:
+    raise AttributeError(
+        f"{type(self).__name__}.{name} cannot be changed from outside its methods once cached_tools() has it: its "
+        "state is the tvcache sandbox's, which would never see the change; change it in a method"
+    )
 
 
 def cached_rollout(

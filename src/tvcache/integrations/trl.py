@@ -52,7 +52,7 @@ import hashlib
 import inspect
 import json
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from ..calls import ToolCall, Tools
@@ -111,8 +111,16 @@ def _episode(env: Any) -> _Episode | None:
 class _Episode:
     """One environment's current tvcache rollout, opened at `reset` and closed at the next."""
 
-    def __init__(self, cls: type, cache: SyncToolCache | None, task: Callable[[Row], str], tools: Tools | None):
+    def __init__(
+        self,
+        cls: type,
+        cache: SyncToolCache | None,
+        task: Callable[[Row], str],
+        tools: Tools | None,
+        run: Callable[[Any, State, ToolCall], Awaitable[Any]] | None = None,
+    ):
         self.cls, self.cache, self.task, self.tools = cls, cache, task, tools
+        self.run = run or _run  # how a tool method runs in the sandbox (ART's treats timeouts as failures)
         self.rollout: SyncRollout | None = None
         self.results: list[Result] = []
         self.resetting = False  # the user's reset is running: its own tool calls are part of the root state
@@ -128,11 +136,13 @@ class _Episode:
                 f"do not pickle ({type(exc).__name__}: {exc}); give the attribute that holds a handle "
                 "__getstate__/__setstate__ (a sqlite3 connection: serialize()/deserialize())"
             ) from exc
-        fingerprint = hashlib.blake2b(_source(self.cls) + root, digest_size=16).hexdigest()
-        cls = self.cls
+        # The class's source and how its methods run (TRL records a timeout, ART does not) name the behaviour.
+        behaviour = _source(self.cls) + f"\0{self.run.__module__}.{self.run.__qualname__}\0".encode()
+        fingerprint = hashlib.blake2b(behaviour + root, digest_size=16).hexdigest()
+        cls, run = self.cls, self.run
         sandboxes = process_sandboxes(
-            ("tvcache.trl", cls, fingerprint),
-            lambda: PythonSandboxes(functools.partial(pickle.loads, root), functools.partial(_run, cls), fingerprint),
+            ("tvcache.python-instance", run, cls, fingerprint),
+            lambda: PythonSandboxes(functools.partial(pickle.loads, root), functools.partial(run, cls), fingerprint),
         )
         cache = self.cache if self.cache is not None else process_sync_cache()
         self.rollout = cache.open(self.task(row), sandboxes, self.tools)
@@ -216,15 +226,36 @@ async def _run(cls: Any, state: State, call: ToolCall) -> Any:
 
 
 def _pickled(value: Any, exc: BaseException | None) -> str:
-    """`value` pickled, as text for the store; an exception that does not pickle becomes one with its message."""
-    try:
-        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        pickle.loads(data)  # an exception whose constructor takes other arguments pickles but does not load
-    except Exception:
-        if exc is None:
-            raise
-        data = pickle.dumps(ToolError(str(exc)), protocol=pickle.HIGHEST_PROTOCOL)
-    return data.hex()
+    """`value` pickled, as text for the store. An exception whose constructor takes other arguments than its
+    `args` (it pickles but does not load) is rebuilt without calling it; one that does not pickle at all (a class
+    made at run time) becomes a `ToolError` with its message."""
+    for candidate in (value, _Rebuilt(exc), ToolError(str(exc))) if exc is not None else (value,):
+        try:
+            data = pickle.dumps(candidate, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.loads(data)
+        except Exception:
+            if candidate is value and exc is None:
+                raise
+            continue
+        return data.hex()
+    raise AssertionError("a ToolError always pickles")
+
+
+class _Rebuilt:
+    """Pickles as the exception it holds, loaded by `_rebuild` instead of its constructor."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self.exc), self.exc.args, vars(self.exc)))
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], attributes: dict[str, Any]) -> BaseException:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(attributes)
+    return exc
 
 
 def _decode(output: Any) -> Any:
