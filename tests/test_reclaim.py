@@ -511,8 +511,9 @@ def small_image_fixture() -> Iterator[str]:
 
 
 def docker_owned_by(pid: int) -> list[str]:
-    """The containers, images and networks whose `tvcache.owner` label names `pid` on this host."""
-    found = []
+    """The containers, images and networks whose `tvcache.owner` label names `pid` on this host, and the snapshots'
+    files in /dev/shm whose name does."""
+    found = [str(p) for p in Path("/dev/shm").glob(f"tvcache-docker-snapshots-{pid}-*")]
     listings = {
         "container": ["docker", "ps", "-aq", "--filter", "label=tvcache.owner"],
         "image": ["docker", "images", "-aq", "--filter", "label=tvcache.owner"],
@@ -566,21 +567,18 @@ def test_gc_lists_and_reclaims_a_killed_processs_docker_run(small_image: str) ->
     assert docker_owned_by(child.pid) == []
 
 
-def test_a_flattened_snapshot_left_alone_by_a_killed_process_is_reclaimed(small_image: str) -> None:
-    """An import carries no labels: the snapshot's tag names the run, and so its owner's pid."""
+def test_a_docker_snapshot_left_alone_by_a_killed_process_is_reclaimed(small_image: str) -> None:
+    """A snapshot's files lie in /dev/shm, named by their owner, with no container or image of the run left."""
     from tvcache.sandboxes.docker import DockerSandboxes
 
-    def flattened(pid: int) -> list[str]:
-        listing = ["docker", "images", "-q", "--filter", f"reference=tvcache-snapshot:tvcache-{pid}-*"]
-        return subprocess.run(listing, capture_output=True, text=True, check=True).stdout.split()
-
-    child = Child("docker-flattened", small_image)
+    child = Child("docker-snapshot", small_image)
     child.kill_at("idle", jitter=0)
-    assert flattened(child.pid) and docker_owned_by(child.pid) == []
+    left = docker_owned_by(child.pid)
+    assert left and all("/tvcache-docker-snapshots-" in item for item in left), left
 
     async def next_factory() -> None:
         async with DockerSandboxes(small_image) as after:
             await (await after.create()).close()
 
     asyncio.run(next_factory())
-    assert flattened(child.pid) == []
+    assert docker_owned_by(child.pid) == []

@@ -116,7 +116,9 @@ def shell(op: tuple[Any, ...]) -> str:
         case "fifo":
             return f"{parent}; mkfifo {p}"
         case "socket":
-            return f"{parent}; python3 -c 'import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])' {p}"
+            # perl-base is in every Debian root, also in images without python (tests/test_docker_fidelity.py).
+            bind = "socket(S, PF_UNIX, SOCK_STREAM, 0); bind(S, sockaddr_un($ARGV[0])) or die $!"
+            return f"{parent}; perl -MSocket -e '{bind}' {p}"
         case "chmod":
             return f"chmod {rest[0]} {p}"
         case "chown":

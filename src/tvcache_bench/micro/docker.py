@@ -9,9 +9,9 @@ the daemon), in one run:
   after the other; 2c creations, at least 32, per point), through the pipeline with its concurrency cap and
   retries, and with neither (the daemon on its own), with the failures of each: the published system's Figure 13.
 
-Targets: from_image snapshot and restore each under 5 ms and at least 50 times faster than a commit and a
-container from it (`docker commit` + `docker run`) measured in the same run; the rate-limited pipeline keeps
-at least 85% of its peak throughput at 64 concurrent creations, with zero failures.
+Targets: from_image snapshot and restore each under 5 ms and at least 50 times faster than a DockerSandboxes
+snapshot and restore (a copy of the container's upper dir, a new container) measured in the same run; the
+rate-limited pipeline keeps at least 85% of its peak throughput at 64 concurrent creations, with zero failures.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ async def run(*, repeats: int = 10, concurrency: tuple[int, ...] = CONCURRENCY) 
             curves[name].append(await _throughput(image, c, capped))
     size = await asyncio.to_thread(_image_bytes, image)
 
-    # A fork is a snapshot then a restore: `docker commit` + a container from it against the overlay pair.
+    # A fork is a snapshot then a restore: a copy of the upper dir + a container with it, against the overlay pair.
     def fork(ops: dict[str, dict[str, float]]) -> float:
         return ops["snapshot (1 MB diff)"]["median_ms"] + ops["restore"]["median_ms"]
 

@@ -3,8 +3,8 @@
     boxes = DockerSandboxes("my-task:latest", timeout=60)        # or: await DockerSandboxes.build("task/")
     box = await boxes.create()
     await box.execute(ToolCall("bash", {"command": "cd /app && make test"}))
-    snap = await box.snapshot()                                  # docker commit, without pausing
-    other = await boxes.restore(snap)                            # a new container from the committed image
+    snap = await box.snapshot()                                  # a copy of the container's files
+    other = await boxes.restore(snap)                            # a new container of the image with those files
 
 Use these for tasks that need what only a daemon gives (exact Docker semantics, services, several processes
 you talk to over a network); for a single-container task, `WorkspaceSandboxes.from_image(image)` runs the same
@@ -28,12 +28,17 @@ hostname is `sandbox` in every container.
 inode, size, mtime, ctime, mode; an empty one in microseconds), so a call that wrote nothing and left the
 working directory and exports alone is a memo without annotation.
 
-**Snapshots** commit the container without pausing it (no command runs then: calls hold the sandbox's lock,
-and every command's processes are gone when it returns), and restore starts a container from the committed
-image. A snapshot of a container that changed nothing since its image or its last commit reuses that image.
-A commit adds a layer; a chain that would pass `max_layers` (Docker refuses more than 125) is flattened into
-one layer (export and import of the container, seconds for a big image). Images are reference-counted by
-their snapshots, their live containers and their committed children, and removed when none is left.
+**Snapshots are invisible**: a restored container shows exactly the files the container that took the snapshot
+showed, as a fresh container that ran the same calls would. So a snapshot is not a `docker commit`: a commit
+packs the diff into a tar (losing sockets, `user.*` xattrs and sub-second times) and stacks it as a new image
+layer, over which overlayfs shows another size, link count and listing order for every directory written on
+both sides of it. A snapshot copies the container's upper dir (its writable layer) instead, with the
+workspace's copy (`_layers.copy_layer`: relative to directory descriptors, never following a symlink, so a
+racing command cannot get host files into it) while the container is paused (the cgroup freezer), into
+`tmp`; a restore creates a container of the image and copies the snapshot into its empty upper dir before
+starting it, so every container is the image's layers plus one upper dir, as an uncached one is. Snapshots
+need the container's files on this machine (a local daemon with the overlay2 storage driver); elsewhere
+`snapshot()` raises SandboxError and the cache replays from a fresh container.
 
 **Scale.** Container creation, commits and removals go through one pipeline per factory that runs at most
 `create_concurrency` of them at once (the daemon's measured saturation point: more at once only makes each
@@ -59,10 +64,10 @@ import asyncio
 import contextlib
 import hashlib
 import io
-import itertools
 import os
 import stat
 import tarfile
+import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,14 +83,16 @@ except ImportError:
 
 from ...calls import ToolCall
 from .. import _fastpaths as fast
-from .._layers import is_empty, relisted
+from .._fdtree import remove_tree
+from .._layers import copy_layer, relisted
 from .._shell import ShellState, unfinished
 from .._threads import in_own_thread
 from ..base import Outcome, SandboxError
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
+from ..reclaim import scratch_dir
 from ._exec import kill_everything, run_bash
 from ._pipeline import Pipeline, describe, inspect_image
-from ._run import RUN_LABEL, SNAPSHOT_REPO, new_run, reap_dead_runs, remove_run
+from ._run import RUN_LABEL, new_run, reap_dead_runs, remove_run
 
 __all__ = ["CREATE_CONCURRENCY", "TOOLS", "DockerSandbox", "DockerSandboxes", "build_image"]
 
@@ -111,7 +118,7 @@ READONLY_PATHS = [
     "/proc/sysrq-trigger",
 ]
 PER_NETWORK = 200
-_FINGERPRINT_VERSION = "tvcache-docker/1"
+_FINGERPRINT_VERSION = "tvcache-docker/2"  # 2: snapshots copy upper dirs (commits changed what a call saw)
 
 T = TypeVar("T")
 
@@ -133,56 +140,11 @@ def _env_list(env: Mapping[str, str]) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class _Snapshot:
-    image: str
+    layer: str | None
+    """A copy of the container's upper dir (None: the image as it is)."""
     state: ShellState
-    depth: int
-    """Layers of the image."""
-
-
-@dataclass(slots=True)
-class _Image:
-    """One image this factory made, with what holds it."""
-
-    ref: str
-    parent: str | None
-    snapshots: int = 0
-    users: int = 0
-    children: int = 0
-
-
-@dataclass
-class _Images:
-    """Reference counts of the images this factory committed; the base image is never among them."""
-
-    ours: dict[str, _Image] = field(default_factory=dict)
-
-    def add(self, image_id: str, ref: str, parent: str) -> None:
-        self.ours[image_id] = _Image(ref, parent if parent in self.ours else None)
-        if parent in self.ours:
-            self.ours[parent].children += 1
-
-    def hold(self, image_id: str, kind: str) -> None:
-        if image_id in self.ours:
-            setattr(self.ours[image_id], kind, getattr(self.ours[image_id], kind) + 1)
-
-    def release(self, image_id: str, kind: str) -> list[str]:
-        """Drop one hold; returns the refs of images nothing holds any more, children first."""
-        if image_id not in self.ours:
-            return []
-        image = self.ours[image_id]
-        setattr(image, kind, getattr(image, kind) - 1)
-        dead = []
-        current: str | None = image_id
-        while current is not None and current in self.ours:
-            image = self.ours[current]
-            if image.snapshots or image.users or image.children:
-                break
-            del self.ours[current]
-            dead.append(image.ref)
-            current = image.parent
-            if current in self.ours:
-                self.ours[current].children -= 1
-        return dead
+    times: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Access and modification times of what Docker made for the container (see `_made_by_docker`)."""
 
 
 class _Networks:
@@ -209,10 +171,12 @@ class _Networks:
         self._users[name] -= 1
 
 
-def _cleanup_run(url: str | None, run: str) -> None:
-    """Remove a factory's run, blocking: for a factory that was never closed, or whose close could not."""
+def _cleanup_run(url: str | None, run: str, layers: Path) -> None:
+    """Remove a factory's run and its snapshots, blocking: for a factory that was never closed, or whose close
+    could not."""
     with contextlib.suppress(Exception):
         _blocking(lambda docker: remove_run(docker, run), url)
+    remove_tree(layers)
 
 
 class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
@@ -226,7 +190,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
     - `max_processes`: processes a container may run at once (its pids limit); `memory` (bytes) and `cpus`
       (a fraction of cores) cap it when given.
     - `create_concurrency`: heavy daemon operations at once (None: no limit; only for measuring one).
-    - `max_layers`: image layers past which a commit chain is flattened.
+    - `tmp`: where snapshots live (default /dev/shm, a tmpfs, else the system's temp dir).
     - `docker_url`: the daemon (default: $DOCKER_HOST, else the local socket).
     """
 
@@ -245,7 +209,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         memory: int | None = None,
         cpus: float | None = None,
         create_concurrency: int | None = CREATE_CONCURRENCY,
-        max_layers: int = 100,
+        tmp: str | os.PathLike[str] | None = None,
         docker_url: str | None = None,
     ):
         if not isinstance(image, str) or not image:
@@ -260,8 +224,9 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
             raise ValueError(f"memory must be a number of bytes >= 6 MiB, got {memory!r}")
         if cpus is not None and not (isinstance(cpus, int | float) and cpus > 0):
             raise ValueError(f"cpus must be a positive number, got {cpus!r}")
-        if not (isinstance(max_layers, int) and 2 <= max_layers <= 120):
-            raise ValueError(f"max_layers must be an int between 2 and 120, got {max_layers!r}")
+        tmp = tmp if tmp is not None else ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        if not os.path.isdir(tmp):
+            raise ValueError(f"tmp directory {os.fspath(tmp)!r} does not exist")
         if workdir is not None and not workdir.startswith("/"):
             raise ValueError(f"workdir must be an absolute path, got {workdir!r}")
         super().__init__()
@@ -272,27 +237,24 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         self.max_processes = max_processes
         self.memory = memory
         self.cpus = cpus
-        self.max_layers = max_layers
         self.docker_url = docker_url
         self._pipeline = Pipeline(create_concurrency)
         info = _blocking(lambda docker: inspect_image(docker, image), docker_url)
         config = info.get("Config") or {}
         self.image_id: str = info["Id"]
-        self._depth = len((info.get("RootFS") or {}).get("Layers") or [])
         self.user: str = config.get("User") or ""
         self.cwd = workdir or config.get("WorkingDir") or "/"
         image_env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
         self.env = {**image_env, **(env or {})}
         self._labels = new_run()
-        self._images = _Images()
+        self._layers = scratch_dir("docker-snapshots", tmp)
         self._networks = _Networks(self._labels)
-        self._counter = itertools.count()
         self._docker: aiodocker.Docker | None = None
         self._initial: ShellState | None = None
         self._spare: DockerSandbox | None = None
         self._setup_lock = asyncio.Lock()
         self._fingerprint: str | None = None
-        self._cleanup_with(_cleanup_run, docker_url, self._labels[RUN_LABEL])
+        self._cleanup_with(_cleanup_run, docker_url, self._labels[RUN_LABEL], self._layers)
 
     # -- the Sandboxes protocol --------------------------------------------------------------------------
 
@@ -331,15 +293,15 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
             box, self._spare = self._spare, None
             return box
         assert self._initial is not None
-        return await self._start(_Snapshot(self.image_id, self._initial, self._depth))
+        return await self._start(_Snapshot(None, self._initial))
 
     async def restore(self, snapshot_id: str) -> DockerSandbox:
         return await self._start(self._lookup(snapshot_id))
 
     async def delete(self, snapshot_id: str) -> None:
         snap = self._forget(snapshot_id)
-        if snap is not None:
-            await self._drop(self._images.release(snap.image, "snapshots"))
+        if snap is not None and snap.layer is not None:
+            await asyncio.to_thread(remove_tree, snap.layer)
 
     async def close(self) -> None:
         """Remove every container, image and network this factory created (containers concurrently)."""
@@ -352,6 +314,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
             return
         try:
             await remove_run(self._docker, self.run)
+            await asyncio.to_thread(remove_tree, self._layers)
             if self._finalizer is not None:
                 self._finalizer.detach()  # done; if not (the daemon was down), the finalizer tries again
         except Exception:
@@ -368,11 +331,6 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         image = await build_image(context_dir, docker_url=options.get("docker_url"))
         return await asyncio.to_thread(lambda: cls(image, **options))
 
-    @property
-    def image_count(self) -> int:
-        """Images this factory committed that are still held."""
-        return len(self._images.ours)
-
     # -- internals -------------------------------------------------------------------------------------
 
     def _client(self) -> aiodocker.Docker:
@@ -388,7 +346,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
                 return
             docker = self._client()
             await self._pipeline.run("reaping the runs of dead processes", lambda: reap_dead_runs(docker))
-            box = await self._start(_Snapshot(self.image_id, ShellState(cwd=os.fsencode(self.cwd)), self._depth))
+            box = await self._start(_Snapshot(None, ShellState(cwd=os.fsencode(self.cwd))))
             try:
                 result = await box._bash(":")
                 if not result.finished or result.exit_code != 0 or result.state.exports is None:
@@ -417,7 +375,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         if self.cpus is not None:
             host_config["NanoCpus"] = int(self.cpus * 1e9)
         config: dict[str, Any] = {
-            "Image": snap.image,
+            "Image": self.image_id,
             "Entrypoint": ["bash", "-c", KEEPER],
             "Cmd": [],
             "Env": _env_list(self.env),
@@ -432,71 +390,88 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         async def create_and_start() -> dict[str, Any]:
             container = await docker.containers.create(config)
             try:
+                if snap.layer is not None:  # the snapshot's files, in the upper dir before it is mounted
+                    upper = _local_dir(await container.show(), "UpperDir")
+                    if upper is None:
+                        raise SandboxError("docker: the new container's upper dir is not on this machine")
+                    await asyncio.to_thread(_fill, snap.layer, upper)
                 await container.start()
                 info: dict[str, Any] = await container.show()
+                if snap.times:
+                    await asyncio.to_thread(_set_times, info, snap.times)
             except BaseException:
                 with contextlib.suppress(Exception):
                     await container.delete(force=True)
                 raise
             return info
 
-        self._images.hold(snap.image, "users")
         try:
-            info = await self._pipeline.run(f"starting a container of {snap.image[:19]}", create_and_start)
+            info = await self._pipeline.run(f"starting a container of {self.image[:40]}", create_and_start)
         except BaseException:
-            await self._drop(self._images.release(snap.image, "users"))
             if network is not None:
                 self._networks.release(network)
             raise
-        return DockerSandbox(self, docker.containers.container(info["Id"]), info, snap, network)
+        box = DockerSandbox(self, docker.containers.container(info["Id"]), info, snap, network)
+        await box._observe()  # a restored upper dir's listing, so the first call is not taken for a change
+        return box
 
-    def _register(self, snap: _Snapshot) -> str:
-        snapshot_id = self._keep(snap)
-        self._images.hold(snap.image, "snapshots")
-        return snapshot_id
-
-    async def _drop(self, refs: list[str]) -> None:
-        """Remove images nothing holds any more (children first); a failure leaves them to `close`."""
-        docker = self._client()
-        for ref in refs:
-
-            async def remove(ref: str = ref) -> None:
-                await docker.images.delete(ref, force=True, noprune=True)
-
-            with contextlib.suppress(SandboxError):
-                await self._pipeline.run(f"removing image {ref}", remove)
-
-    async def _commit(self, container: Any, parent: str, depth: int) -> tuple[str, int]:
-        """Commit `container` (on image `parent` with `depth` layers) into a new image; flatten past max_layers."""
-        docker = self._client()
-        tag = f"{self.run}-{next(self._counter)}"
-        if depth + 1 > self.max_layers:
-            image_id = await self._pipeline.run("flattening a container", lambda: _flatten(docker, container, tag))
-            self._images.add(image_id, f"{SNAPSHOT_REPO}:{tag}", "")
-            return image_id, 1
-
-        async def commit() -> str:
-            result = await container.commit(repository=SNAPSHOT_REPO, tag=tag, pause=False)
-            return str(result["Id"])
-
-        image_id = await self._pipeline.run("committing a container", commit)
-        self._images.add(image_id, f"{SNAPSHOT_REPO}:{tag}", parent)
-        return image_id, depth + 1
+    async def _copy_out(self, container: Any, upper: str) -> str:
+        """Copy the upper dir of `container` into a new snapshot layer, with the container paused (frozen)."""
+        dest = str(self._layers / self._new_id())
+        await self._pipeline.run(f"pausing container {container.id[:12]}", container.pause)
+        try:
+            await asyncio.to_thread(copy_layer, upper, dest)
+        except OSError as exc:  # TreeChanged: something changed the files under the copy
+            await asyncio.to_thread(remove_tree, dest)
+            raise SandboxError(f"docker: copying container {container.id[:12]}'s files failed: {exc}") from exc
+        finally:
+            await self._pipeline.run(f"unpausing container {container.id[:12]}", container.unpause)
+        return dest
 
 
-async def _flatten(docker: aiodocker.Docker, container: Any, tag: str) -> str:
-    """Export the container's whole filesystem and import it as a one-layer image tagged `tag` (an import takes
-    no labels: `remove_run` finds these by their tag, which names the run).
+def _local_dir(info: dict[str, Any], which: str) -> str | None:
+    """The container's overlay2 `UpperDir` or `MergedDir` when it is on this machine, else None."""
+    driver = info.get("GraphDriver") or {}
+    path = (driver.get("Data") or {}).get(which)
+    return path if driver.get("Name") == "overlay2" and path and os.path.isdir(path) else None
 
-    aiodocker has no call for either endpoint, so this uses its request method directly."""
-    async with docker._query(f"containers/{container.id}/export") as exported:
-        params = {"fromSrc": "-", "repo": SNAPSHOT_REPO, "tag": tag}
-        async with docker._query_chunked_post(
-            "images/create", params=params, data=exported.content.iter_chunked(1 << 20)
-        ) as imported:
-            await imported.read()
-    image = await docker.images.inspect(f"{SNAPSHOT_REPO}:{tag}")
-    return str(image["Id"])
+
+def _made_by_docker(info: dict[str, Any]) -> dict[str, str]:
+    """What Docker makes for each container when it creates and starts it, with that moment's times: its init
+    layer (/.dockerenv, /etc, /etc/hostname, /dev/console, ...) and the files it binds at /etc/hosts, /etc/hostname
+    and /etc/resolv.conf; as {key: host path}. A container restored from a snapshot gets the times these had in
+    the container that took it, as though it had been made then, as an uncached one was (its /dev, /proc and /sys
+    are mounts made at its start: those times it cannot keep)."""
+    made = {key: info[key] for key in ("HostsPath", "HostnamePath", "ResolvConfPath") if info.get(key)}
+    init = (((info.get("GraphDriver") or {}).get("Data") or {}).get("LowerDir") or "").split(":")[0]
+    if init.endswith("-init/diff") and os.path.isdir(init):  # Docker's own layer: the sandbox cannot write it
+        for dirpath, dirnames, filenames in os.walk(init):
+            for name in [".", *dirnames, *filenames]:
+                path = os.path.normpath(os.path.join(dirpath, name))
+                made["init:" + os.path.relpath(path, init)] = path
+    return made
+
+
+def _times_of(info: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    times = {}
+    for key, path in _made_by_docker(info).items():
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            times[key] = (st.st_atime_ns, st.st_mtime_ns)
+    return times
+
+
+def _set_times(info: dict[str, Any], times: Mapping[str, tuple[int, int]]) -> None:
+    for key, path in _made_by_docker(info).items():
+        if key in times:
+            with contextlib.suppress(OSError):
+                os.utime(path, ns=times[key], follow_symlinks=False)
+
+
+def _fill(layer: str, upper: str) -> None:
+    """Make the empty upper dir `upper` of a container not yet started a copy of the snapshot `layer`."""
+    os.rmdir(upper)  # copy_layer makes its destination, and gives it the times and mode of the layer's root
+    copy_layer(layer, upper)
 
 
 class DockerSandbox(ManagedSandbox):
@@ -508,17 +483,13 @@ class DockerSandbox(ManagedSandbox):
         super().__init__(factory)
         self._f = factory
         self.container = container
-        self._image = snap.image
-        self._depth = snap.depth
         self._state = snap.state
         self._network = net
-        data = (info.get("GraphDriver") or {}).get("Data") or {}
-        local = (info.get("GraphDriver") or {}).get("Name") == "overlay2"
-        self._upper: str | None = data.get("UpperDir") if local and os.path.isdir(data.get("UpperDir", "")) else None
-        self._merged: str | None = data.get("MergedDir") if local and os.path.isdir(data.get("MergedDir", "")) else None
+        self._info = info
+        self._upper = _local_dir(info, "UpperDir")
+        self._merged = _local_dir(info, "MergedDir")
         self._listing: str | None = None
         """The upper dir's listing at the last look; None while it is empty."""
-        self._last_commit: tuple[str | None, _Snapshot] | None = None
         self._dead: str | None = None
         self._running: asyncio.Task[Any] | None = None
 
@@ -625,20 +596,15 @@ class DockerSandbox(ManagedSandbox):
     async def snapshot(self) -> str:
         async with self._turn():
             await self._check_alive()
-            if self._upper is not None and self._listing is None and is_empty(self._upper):
-                snap = _Snapshot(self._image, self._state, self._depth)  # nothing written: its own image
-            elif (
-                self._upper is not None
-                and self._last_commit is not None
-                and self._last_commit[0] == self._listing
-                and self._last_commit[1].image in self._f._images.ours  # not removed since
-            ):
-                snap = _Snapshot(self._last_commit[1].image, self._state, self._last_commit[1].depth)
-            else:
-                image, depth = await self._f._commit(self.container, self._image, self._depth)
-                snap = _Snapshot(image, self._state, depth)
-            self._last_commit = (self._listing, snap)
-            return self._f._register(snap)
+            if self._upper is None:
+                raise SandboxError(
+                    "docker: snapshots need the container's files on this machine (a local daemon with the overlay2 "
+                    "storage driver)"
+                )
+            # Even an empty upper dir is copied: its root's times are what `stat /` shows.
+            layer = await self._f._copy_out(self.container, self._upper)
+            times = await asyncio.to_thread(_times_of, self._info)
+            return self._f._keep(_Snapshot(layer, self._state, times))
 
     def _interrupt(self) -> None:
         # Closing while a command runs: end it now rather than wait for its timeout.
@@ -660,7 +626,6 @@ class DockerSandbox(ManagedSandbox):
         finally:
             if self._network is not None:
                 f._networks.release(self._network)
-            await f._drop(f._images.release(self._image, "users"))
 
 
 # -- building images ---------------------------------------------------------------------------------------
