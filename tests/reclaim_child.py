@@ -75,13 +75,13 @@ async def main(kind: str, args: list[str]) -> None:
     elif kind == "docker":
         from tvcache.sandboxes.docker import DockerSandboxes
 
-        boxes = DockerSandboxes(args[0])
+        boxes = DockerSandboxes(args[0], tmp=args[1])
         await cycle(boxes, bash("echo one > a"), bash("echo two >> a"))
     elif kind == "docker-snapshot":
         from tvcache.sandboxes.docker import DockerSandboxes
 
-        # Left at the end: one snapshot's files in /dev/shm, no container.
-        boxes = DockerSandboxes(args[0])
+        # Left at the end: one snapshot's files in tmp, no container.
+        boxes = DockerSandboxes(args[0], tmp=args[1])
         box = await boxes.create()
         await box.execute(bash("echo one > a"))
         await box.snapshot()

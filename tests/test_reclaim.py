@@ -510,10 +510,10 @@ def small_image_fixture() -> Iterator[str]:
     subprocess.run(["docker", "rmi", "-f", image.stdout.strip()], capture_output=True)
 
 
-def docker_owned_by(pid: int) -> list[str]:
+def docker_owned_by(pid: int, tmp: Path) -> list[str]:
     """The containers, images and networks whose `tvcache.owner` label names `pid` on this host, and the snapshots'
-    files in /dev/shm whose name does."""
-    found = [str(p) for p in Path("/dev/shm").glob(f"tvcache-docker-snapshots-{pid}-*")]
+    files in `tmp` (a directory of the test's own, which no other test's factory reclaims) whose name does."""
+    found = [str(p) for p in tmp.glob(f"tvcache-docker-snapshots-{pid}-*")]
     listings = {
         "container": ["docker", "ps", "-aq", "--filter", "label=tvcache.owner"],
         "image": ["docker", "images", "-aq", "--filter", "label=tvcache.owner"],
@@ -531,54 +531,56 @@ def docker_owned_by(pid: int) -> list[str]:
 
 
 @pytest.mark.parametrize("point", POINTS)
-def test_docker_the_next_factory_reclaims_a_killed_processs_containers_and_images(point: str, small_image: str) -> None:
+def test_docker_the_next_factory_reclaims_a_killed_processs_containers_and_snapshots(
+    point: str, small_image: str, tmp_path: Path
+) -> None:
     from tvcache.sandboxes.docker import DockerSandboxes
 
     async def go() -> None:
         async with DockerSandboxes(small_image) as live:
             box = await live.create()
             await box.execute(ToolCall("bash", {"command": "echo live > mine"}))
-            child = Child("docker", small_image)
-            child.kill_once(point, lambda: bool(docker_owned_by(child.pid)))
-            assert docker_owned_by(child.pid)
-            async with DockerSandboxes(small_image) as after:
+            child = Child("docker", small_image, str(tmp_path))
+            child.kill_once(point, lambda: bool(docker_owned_by(child.pid, tmp_path)))
+            assert docker_owned_by(child.pid, tmp_path)
+            async with DockerSandboxes(small_image, tmp=tmp_path) as after:
                 await (await after.create()).close()
-                assert docker_owned_by(child.pid) == []
+                assert docker_owned_by(child.pid, tmp_path) == []
             out = await box.execute(ToolCall("bash", {"command": "echo $(<mine)"}))
             assert out.output["output"] == "live\n"  # type: ignore[index]
 
     asyncio.run(go())
 
 
-def test_gc_lists_and_reclaims_a_killed_processs_docker_run(small_image: str) -> None:
-    child = Child("docker", small_image)
-    child.kill_once(RNG.choice(POINTS), lambda: bool(docker_owned_by(child.pid)))
-    left = docker_owned_by(child.pid)
+def test_gc_lists_and_reclaims_a_killed_processs_docker_run(small_image: str, tmp_path: Path) -> None:
+    child = Child("docker", small_image, str(tmp_path))
+    child.kill_once(RNG.choice(POINTS), lambda: bool(docker_owned_by(child.pid, tmp_path)))
+    left = docker_owned_by(child.pid, tmp_path)
     assert left
 
     def gc(*options: str) -> str:
-        command = [sys.executable, "-m", "tvcache.cli", "gc", *options]
+        command = [sys.executable, "-m", "tvcache.cli", "gc", "--tmp", str(tmp_path), *options]
         return subprocess.run(command, env=env(), capture_output=True, text=True, check=True).stdout
 
     line = next(line for line in gc("--dry-run").splitlines() if "docker" in line and f"pid {child.pid} " in line)
     assert line.split()[1] in ("B", "KiB", "MiB", "GiB") and "tvcache-" in line
-    assert docker_owned_by(child.pid) == left
+    assert docker_owned_by(child.pid, tmp_path) == left
     gc()
-    assert docker_owned_by(child.pid) == []
+    assert docker_owned_by(child.pid, tmp_path) == []
 
 
-def test_a_docker_snapshot_left_alone_by_a_killed_process_is_reclaimed(small_image: str) -> None:
-    """A snapshot's files lie in /dev/shm, named by their owner, with no container or image of the run left."""
+def test_a_docker_snapshot_left_alone_by_a_killed_process_is_reclaimed(small_image: str, tmp_path: Path) -> None:
+    """A snapshot's files lie in the factory's tmp, named by their owner, with no container of the run left."""
     from tvcache.sandboxes.docker import DockerSandboxes
 
-    child = Child("docker-snapshot", small_image)
+    child = Child("docker-snapshot", small_image, str(tmp_path))
     child.kill_at("idle", jitter=0)
-    left = docker_owned_by(child.pid)
+    left = docker_owned_by(child.pid, tmp_path)
     assert left and all("/tvcache-docker-snapshots-" in item for item in left), left
 
     async def next_factory() -> None:
-        async with DockerSandboxes(small_image) as after:
+        async with DockerSandboxes(small_image, tmp=tmp_path) as after:
             await (await after.create()).close()
 
     asyncio.run(next_factory())
-    assert docker_owned_by(child.pid) == []
+    assert docker_owned_by(child.pid, tmp_path) == []
