@@ -53,7 +53,9 @@ def checked_args(call: ToolCall, backend: str) -> dict[str, Any] | Outcome:
         try:  # surrogateescape: a non-UTF-8 file name as os.listdir gives it stands for its own bytes
             value.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError as exc:  # half a surrogate pair ("\ud800" in the model's JSON) has no bytes
-            return refusal({"error": f"{call.tool}: {key!r} contains {exc.object[exc.start]!r}, which has no UTF-8 form"})
+            return refusal(
+                {"error": f"{call.tool}: {key!r} contains {exc.object[exc.start]!r}, which has no UTF-8 form"}
+            )
     return args
 
 
