@@ -402,8 +402,16 @@ def test_sqlite_rows_that_do_not_decode_are_store_errors(tmp_path: Path) -> None
     key = SCOPE.key
     asyncio.run(SQLiteStore(db).close())  # the schema
     with sqlite3.connect(db) as raw:
-        raw.execute("INSERT INTO entries VALUES (?, ?, ?, 'bogus', x'00', 0.1, '')", (ROOT, D1, key))
-        raw.execute("INSERT INTO entries VALUES (?, ?, ?, 'edge', 'text', 0.1, '')", (ROOT, D2, key))
+        raw.execute(
+            "INSERT INTO entries (node, digest, scope, kind, output, seconds, call)"
+            " VALUES (?, ?, ?, 'bogus', x'00', 0.1, '')",
+            (ROOT, D1, key),
+        )
+        raw.execute(
+            "INSERT INTO entries (node, digest, scope, kind, output, seconds, call)"
+            " VALUES (?, ?, ?, 'edge', 'text', 0.1, '')",
+            (ROOT, D2, key),
+        )
     raw.close()
 
     async def main() -> None:
@@ -503,7 +511,11 @@ def test_http_store_ping_checks_the_server_its_token_and_its_store(tmp_path: Pat
     db = tmp_path / "served.db"
     asyncio.run(SQLiteStore(db).close())
     with sqlite3.connect(db) as raw:
-        raw.execute("INSERT INTO entries VALUES (?, ?, ?, 'bogus', x'00', 0.1, '')", (ROOT, D1, SCOPE.key))
+        raw.execute(
+            "INSERT INTO entries (node, digest, scope, kind, output, seconds, call)"
+            " VALUES (?, ?, ?, 'bogus', x'00', 0.1, '')",
+            (ROOT, D1, SCOPE.key),
+        )
     raw.close()
     server = Server(tmp_path, f"sqlite:///{db}", "s3cret").start()
 

@@ -56,6 +56,10 @@ class ToolCache:
     model generates its next turn, instead of before answering: the answer's latency no longer includes it. The
     rollout's next miss (or its close) waits for it; hits do not. `close()` waits for the snapshots under way.
 
+    `read_sets=True` (the default) also reuses a read-only result recorded in another state when everything the
+    call read is the same in the rollout's state (`tvcache.reads`; counted in `stats()["read_set_hits"]`), for
+    sandboxes that observe what calls read and write (SQLite; workspaces); `False` keeps to exact history.
+
     Its life is httpx's client's: usable once made, `async with` it (once) to have it closed at the end; after
     `close()` every method but `stats()` raises `RuntimeError`, and closing again does nothing. Closing cancels
     its background work (prefetch, claim refreshes), closes its open rollouts (waiting for a call in progress),
@@ -77,6 +81,7 @@ class ToolCache:
         on_store_error: OnStoreError = "continue",
         check_store: bool = False,
         background_snapshots: bool = False,
+        read_sets: bool = True,
     ):
         if store is not None and url is not None:
             raise ValueError("pass a store URL or a Store object, not both")
@@ -96,6 +101,7 @@ class ToolCache:
             max_output_bytes=max_output_bytes,
             on_store_error=on_store_error,
             background_snapshots=background_snapshots,
+            read_sets=read_sets,
             tasks=tasks,
         )
         self._state = State.UNOPENED

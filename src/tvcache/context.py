@@ -122,6 +122,7 @@ class Context:
     max_output_bytes: int
     on_store_error: OnStoreError = "continue"
     background_snapshots: bool = False  # take snapshots after the call answered (`LiveSandbox.maybe_snapshot`)
+    read_sets: bool = True  # reuse a result when what the call read is unchanged (`tvcache.reads`)
     factories: Factories = field(default_factory=Factories)
     health: StoreHealth = field(default_factory=StoreHealth)
     tasks: TaskGroup = field(default_factory=TaskGroup)

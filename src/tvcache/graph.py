@@ -57,12 +57,16 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
     `output` is the encoded result (see `encode_output`): storing bytes keeps entries immutable, so a caller
     that mutates a returned dict cannot corrupt the cache, and every store can hold them as they are.
     `seconds` is how long the execution took: the time a hit saves and the cost of replaying an edge.
+    `writes` (edges only) is what the call changed, as its sandbox observed it (`Outcome.writes`: state keys to
+    their new digests), or None when unknown: a rollout that passes the edge, executing it or hitting it, knows
+    its state's content from it (reuse by what a call read, `reads.py`).
     """
 
     kind: Kind
     output: bytes
     seconds: float
     call: str = ""  # the call's key, cut short: for people reading the graph, never for lookups
+    writes: dict[str, str] | None = None
 
 
 # A str with a lone surrogate (what `os.fsdecode` makes of a file name that is not UTF-8) has no UTF-8 form, so

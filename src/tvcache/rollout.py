@@ -26,6 +26,7 @@ from .calls import ToolCall, Tools
 from .context import Context
 from .graph import EDGE, MEMO, Entry, Kind, Scope, decode_output, encode_output
 from .live import History, LiveSandbox
+from .reads import Candidate, Writes, base_digests_of, candidate_of, choose
 from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes, ToolError, refusal
 from .stores.base import Claim, StoreError, TaskInfo
 
@@ -33,7 +34,7 @@ __all__ = ["Result", "Rollout", "RolloutStats", "Source", "current_rollout"]
 
 log = logging.getLogger("tvcache")
 
-Source = Literal["memo", "edge", "waited", "executed"]
+Source = Literal["memo", "edge", "waited", "reads", "executed"]
 
 _current: ContextVar[Rollout | None] = ContextVar("tvcache_rollout", default=None)
 # The rollouts whose `sandbox()` block this code runs in (also in tasks started inside the block).
@@ -52,7 +53,9 @@ class Result:
 
     `output` is a fresh copy of the tool's output (mutate it freely). `hit` is True when it came from the cache:
     `source` says how ("memo": a call that did not change the state, "edge": one that did, "waited": another
-    rollout was executing the same call and this one waited for its result) or "executed" when it ran here.
+    rollout was executing the same call and this one waited for its result, "reads": recorded by a rollout in
+    another state, and everything it read is the same in this one; see `tvcache.reads`) or "executed" when it ran
+    here.
     `seconds` is the wall time of the call as the caller saw it: the lookup, any wait for another rollout, and on
     a miss the sandbox's creation or restore, the replay of earlier calls, the execution itself and a snapshot
     taken after it. `error` is True when the sandbox or tool failed (crash, timeout); such results are never cached.
@@ -132,6 +135,9 @@ class Rollout:
         self._tools = tools or Tools()
         self._history = History(scope.root)
         self._live = LiveSandbox(ctx, sandboxes, ctx.factories[sandboxes], self._scope_key, self._history)
+        # Reuse by what a call read: the factory's starting state, and what the edges passed since wrote.
+        self._base = base_digests_of(sandboxes) if ctx.read_sets else None
+        self._writes = Writes()
         self._lock = asyncio.Lock()
         self._loop = asyncio.get_running_loop()
         self._detached = False
@@ -278,6 +284,7 @@ class Rollout:
             stats.seconds_saved += entry.seconds
         if entry.kind == EDGE:
             self._history.advance(call, entry.output, entry.seconds)
+            self._writes.apply(entry.writes)
         return Result(output, True, time.perf_counter() - start, source)
 
     def _kind(self, call: ToolCall, outcome: Outcome) -> Kind:
@@ -289,6 +296,9 @@ class Rollout:
     async def _execute_claimed(self, call: ToolCall, token: str, start: float) -> Result:
         claim = _Claim(self._ctx, self._scope_key, self.cursor, call.digest, token)
         async with claim.held():
+            reused = await self._reuse(call, claim, start)
+            if reused is not None:
+                return reused
             await self._sandbox_at_cursor(use_store=True)
             if self._detached:  # rebuilding the state showed a nondeterministic tool
                 await claim.release()
@@ -299,6 +309,7 @@ class Rollout:
             kind = self._kind(call, outcome)
             if kind == EDGE:
                 self._history.advance(call, blob, seconds)
+                self._writes.apply(outcome.writes)
                 self._live.applied()
                 # Before the entry lands: the rollouts waiting on this claim move to the new state with it, and
                 # their next miss there should find it saved rather than each rebuild it from scratch (unless
@@ -307,8 +318,52 @@ class Rollout:
             if len(blob) > self._ctx.max_output_bytes:
                 self._ctx.stats.uncached += 1
             else:
-                await self._record(claim, Entry(kind, blob, seconds, call.label()))
+                writes = dict(outcome.writes) if kind == EDGE and outcome.writes is not None else None
+                await self._record(claim, Entry(kind, blob, seconds, call.label(), writes))
+                if kind == MEMO and self._base is not None:
+                    await self._keep(call, candidate_of(outcome, blob, seconds, call.label()))
         return self._executed(blob, start)
+
+    async def _reuse(self, call: ToolCall, claim: _Claim, start: float) -> Result | None:
+        """The second phase of a lookup that missed (`tvcache.reads`): a result of the same call recorded in
+        another state that read nothing this state holds differently, recorded here as a memo under our claim
+        (waiters get it, the next identical call here hits it exactly); None if there is none, or the rollout's
+        state is not known as content."""
+        base, state = self._base, self._writes.known
+        if base is None or state is None:
+            return None
+        ctx = self._ctx
+        try:
+            with ctx.stats.timing("store"):
+                candidates = await ctx.store.candidates(self._scope_key, call.digest)
+            found = await choose(candidates, state, base)
+        except StoreError as exc:
+            ctx.store_failed(exc)
+            return None
+        if found is None:
+            return None
+        entry = Entry(MEMO, found.output, found.seconds, call.label())
+        try:
+            output = decode_output(entry.output)
+        except ValueError as exc:
+            ctx.store_failed(StoreError(f"a stored candidate of {call.tool!r} does not decode: {exc}"))
+            return None
+        await self._record(claim, entry)
+        for stats in (ctx.stats, self.stats):
+            stats.hits += 1
+            stats.seconds_saved += entry.seconds
+        ctx.stats.read_set_hits += 1
+        return Result(output, True, time.perf_counter() - start, "reads")
+
+    async def _keep(self, call: ToolCall, candidate: Candidate | None) -> None:
+        """Keep a read-only result with what it read, for rollouts in other states."""
+        if candidate is None:
+            return
+        try:
+            with self._ctx.stats.timing("store"):
+                await self._ctx.store.add_candidate(self._scope_key, call.digest, candidate)
+        except StoreError as exc:
+            self._ctx.store_failed(exc, took_effect=True)  # the call ran: its caller gets its result
 
     async def _record(self, claim: _Claim, entry: Entry) -> None:
         try:
@@ -332,6 +387,7 @@ class Rollout:
             # The store is down but the call is deterministic: keep the cursor right, so the rollout
             # can use the cache again once the store is back.
             self._history.advance(call, blob, 0.0)
+            self._writes.apply(outcome.writes)
             self._live.applied()
         return self._executed(blob, start)
 

@@ -7,7 +7,7 @@ backend can run its work in threads, subprocesses or over the network without bl
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -15,6 +15,7 @@ from ..calls import ToolCall
 from ..errors import SandboxBusy, SandboxError, SnapshotGone, ToolError
 
 __all__ = [
+    "BaseDigests",
     "Outcome",
     "Output",
     "Sandbox",
@@ -100,4 +101,15 @@ class Sandboxes(Protocol):
 
     async def delete(self, snapshot_id: str) -> None:
         """Forget a snapshot and free what it holds (the cache's eviction calls it)."""
+        ...
+
+
+@runtime_checkable
+class BaseDigests(Protocol):
+    """What a factory whose sandboxes report `Outcome.reads` adds so that results are reused by what they read
+    (optional: without it, exact history only)."""
+
+    async def base_digests(self, keys: Collection[str]) -> Mapping[str, str]:
+        """The digest of each of `keys` in the starting state, in the terms of `Outcome.reads` ("" for absent).
+        A key left out matches nothing."""
         ...

@@ -48,7 +48,7 @@ import shutil
 import sqlite3
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +201,129 @@ def _refusal(action: int, arg1: str | None, arg2: str | None, db: str | None) ->
 
 
 # ---------------------------------------------------------------------------------------------------------
+# What a call read
+
+# Functions whose result is not a function of the database: the clock, randomness, connection state.
+_UNOBSERVABLE_FUNCTIONS = frozenset(
+    {
+        "random",
+        "randomblob",
+        "date",
+        "time",
+        "datetime",
+        "julianday",
+        "strftime",
+        "unixepoch",
+        "timediff",
+        "current_date",
+        "current_time",
+        "current_timestamp",
+        "changes",
+        "total_changes",
+        "last_insert_rowid",
+        "sqlite_offset",
+        "load_extension",
+    }
+)
+# Introspection pragmas whose answer is a function of the schema alone.
+_SCHEMA_PRAGMAS = frozenset(
+    {"table_info", "table_xinfo", "index_info", "index_list", "index_xinfo", "foreign_key_list"}
+)
+_MASTER = frozenset({"sqlite_master", "sqlite_schema"})
+_ROW_WRITES = frozenset({sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE})
+# DDL that changes the schema only (what it makes is read through the tables it names).
+_SCHEMA_DDL = frozenset(
+    {
+        sqlite3.SQLITE_CREATE_INDEX,
+        sqlite3.SQLITE_CREATE_TRIGGER,
+        sqlite3.SQLITE_CREATE_VIEW,
+        sqlite3.SQLITE_DROP_INDEX,
+        sqlite3.SQLITE_DROP_TRIGGER,
+        sqlite3.SQLITE_DROP_VIEW,
+    }
+)
+_TABLE_DDL = frozenset({sqlite3.SQLITE_CREATE_TABLE, sqlite3.SQLITE_DROP_TABLE})
+_HARMLESS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_RECURSIVE})
+SCHEMA = "schema"
+
+
+class _Seen:
+    """What one statement touched, from the authorizer's reports (which include the statements of the triggers
+    and views it runs): the state keys it read and wrote, or `opaque`, why it touched what has no key.
+
+    Keys: "table:<schema>.<name>" for a table's rows, "schema" for the schema (every statement reads it: names
+    resolve through it). Opaque: the temp schema (connection state), `sqlite_sequence` and `sqlite_stat*`
+    (SQLite writes them unannounced), a temp or virtual table, the `rootpage` of a schema row (page numbers
+    depend on the order writes happened in), functions of the clock or randomness, pragmas beyond schema
+    introspection, and every action not named here (ALTER TABLE, REINDEX, ANALYZE, ...).
+    """
+
+    __slots__ = ("opaque", "reads", "writes")
+
+    def __init__(self) -> None:
+        self.reads: set[str] = {SCHEMA}
+        self.writes: set[str] = set()
+        self.opaque: str | None = None
+
+    def touched(self) -> set[str]:
+        return self.reads | self.writes
+
+    def add(self, action: int, arg1: str | None, arg2: str | None, db: str | None) -> None:
+        if action == sqlite3.SQLITE_READ:
+            self._table(arg1 or "", db, self.reads, column=arg2)
+        elif action in _ROW_WRITES:
+            self._table(arg1 or "", db, self.writes)
+        elif action == sqlite3.SQLITE_FUNCTION:
+            if (arg2 or "").lower() in _UNOBSERVABLE_FUNCTIONS:
+                self.opaque = f"{arg2}()"
+        elif action == sqlite3.SQLITE_PRAGMA:
+            if (arg1 or "").lower() not in _SCHEMA_PRAGMAS:
+                self.opaque = f"PRAGMA {arg1}"
+        elif action in _TABLE_DDL and db == "main":
+            self.writes.update((SCHEMA, f"table:main.{arg1}"))
+        elif action in _SCHEMA_DDL and db == "main":
+            self.writes.add(SCHEMA)
+            if action == sqlite3.SQLITE_CREATE_INDEX:
+                self.reads.add(f"table:main.{arg2}")  # building it reads the table (a UNIQUE one may fail)
+        elif action not in _HARMLESS:
+            self.opaque = f"authorizer action {action}"
+
+    def _table(self, name: str, db: str | None, into: set[str], column: str | None = None) -> None:
+        # A table reference that extracts no column (count(*)) comes without its schema: the main one, as a
+        # connection with temp objects has lost track already (see `SQLiteSandbox._observed`).
+        db = db or "main"
+        if name in _MASTER and db == "main":
+            if column == "rootpage":
+                self.opaque = "the rootpage of a schema row"
+            else:
+                into.add(SCHEMA)
+        elif db != "main" or name.startswith("sqlite_"):
+            self.opaque = f"table {db}.{name}"
+        else:
+            into.add(f"table:main.{name}")
+
+
+def _observable(path: Path) -> bool:
+    """Whether what calls on this database read can all be observed: not with virtual tables (their rows live
+    in shadow tables written unannounced) or foreign keys enforced (cascades write unannounced)."""
+    conn = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True)
+    try:
+        virtual = conn.execute("SELECT count(*) FROM sqlite_master WHERE sql LIKE 'CREATE VIRTUAL%'").fetchone()[0]
+        return not virtual and not conn.execute("PRAGMA foreign_keys").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def _hash(*parts: str) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        data = part.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The factory
 
 
@@ -208,6 +331,7 @@ def _refusal(action: int, arg1: str | None, arg2: str | None, db: str | None) ->
 class _Snapshot:
     main: Path
     temp: Path | None  # the connection's temp schema (a pickled _TempSchema), when it had objects
+    versions: dict[str, str] | None = None  # the sandbox's `_versions` (see "What a call read")
 
 
 class SQLiteSandboxes(ManagedSandboxes["SQLiteSandbox", _Snapshot]):
@@ -243,6 +367,7 @@ class SQLiteSandboxes(ManagedSandboxes["SQLiteSandbox", _Snapshot]):
             shutil.rmtree(self._root, ignore_errors=True)
             raise
         self._fingerprint = f"sqlite-{FORMAT_VERSION}-{_file_digest(self._base)}"
+        self._observable = _observable(self._base)
         self._files = itertools.count(1)
 
     @classmethod
@@ -285,10 +410,18 @@ class SQLiteSandboxes(ManagedSandboxes["SQLiteSandbox", _Snapshot]):
         return self._timeout
 
     async def create(self) -> SQLiteSandbox:
-        return await self._open(_Snapshot(self._base, None))
+        return await self._open(_Snapshot(self._base, None, {} if self._observable else None))
 
     async def restore(self, snapshot_id: str) -> SQLiteSandbox:
         return await self._open(self._lookup(snapshot_id))
+
+    async def base_digests(self, keys: Collection[str]) -> Mapping[str, str]:
+        """The starting state's digest of each key (see "What a call read"): a hash of the fingerprint and the
+        key, computed without reading the database. A database whose reads cannot all be observed has none."""
+        return {key: self._base_digest(key) for key in keys} if self._observable else {}
+
+    def _base_digest(self, key: str) -> str:
+        return _hash(self._fingerprint, key)
 
     async def delete(self, snapshot_id: str) -> None:
         # Deleting twice is harmless: eviction and cleanup may race.
@@ -344,6 +477,10 @@ class SQLiteSandbox(ManagedSandbox):
         # moved, a snapshot of the database is a hard link to that file instead of a copy (see `_save`).
         self._origin: Path | None = None
         self._origin_stat: tuple[int, int, int] | None = None
+        # The digest of every key written since the starting state (see "What a call read"); None once a
+        # statement changed what the authorizer cannot name, for good (snapshots carry it).
+        self._versions: dict[str, str] | None = None
+        self._seen = _Seen()  # what the running statement touched, as the authorizer reports it
 
     @property
     def path(self) -> Path:
@@ -401,7 +538,11 @@ class SQLiteSandbox(ManagedSandbox):
 
     def _open(self, source: _Snapshot) -> None:
         shutil.copyfile(source.main, self._path)
-        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=0)
+        # No statement cache: the authorizer sees a statement only while it is prepared, and every statement
+        # must be seen to know what it read.
+        conn = sqlite3.connect(
+            self._path, isolation_level=None, check_same_thread=False, timeout=0, cached_statements=0
+        )
         self._conn = conn
         self._header_fd = os.open(self._path, os.O_RDONLY)
         # The file is private and disposable: no durability needed, and temp objects stay in memory.
@@ -411,6 +552,7 @@ class SQLiteSandbox(ManagedSandbox):
         if source.temp is not None:
             _load_temp_schema(conn, pickle.loads(source.temp.read_bytes()))
         self._origin, self._origin_stat = source.main, _stat(self._path)
+        self._versions = dict(source.versions) if source.versions is not None else None
         conn.set_authorizer(self._authorize)
         conn.set_progress_handler(self._progress, _PROGRESS_STEPS)
 
@@ -418,6 +560,7 @@ class SQLiteSandbox(ManagedSandbox):
         conn = self._connection()
         self._timed_out = False
         self._refused = None
+        self._seen = _Seen()
         before = self._marker()
         self._deadline = time.monotonic() + self._timeout
         try:
@@ -432,14 +575,36 @@ class SQLiteSandbox(ManagedSandbox):
             # sandbox, not an answer to the query, so it must never be cached.
             if self._timed_out or str(exc) == "interrupted":
                 why = f"timeout after {self._timeout:g} s" if self._timed_out else "interrupted"
-                return Outcome(f"Error: {why}; the query was cancelled", changed=before != self._marker(), error=True)
+                changed = before != self._marker()
+                if changed:
+                    self._versions = None
+                return Outcome(f"Error: {why}; the query was cancelled", changed=changed, error=True)
             output = f"Error: {exc}"
             if self._refused is not None and "authoriz" in str(exc):
                 # SQLite's own message does not say why ("not authorized", "authorization denied").
                 output = f"Error: not authorized ({self._refused})"
         finally:
             self._deadline = None
-        return Outcome(output, changed=before != self._marker())
+        changed = before != self._marker()
+        reads, writes = self._observed(query, changed)
+        return Outcome(output, changed=changed, reads=reads, writes=writes)
+
+    def _observed(self, query: str, changed: bool) -> tuple[dict[str, str] | None, dict[str, str] | None]:
+        """What the statement read (unchanged) or wrote (changed), as digests by key; None where unknown."""
+        seen, versions = self._seen, self._versions
+        if versions is None or seen.opaque or (changed and not seen.writes):
+            if changed:
+                self._versions = None  # lost track of the content for good
+            return None, None
+        touched = {key: versions.get(key) or self._factory._base_digest(key) for key in seen.touched()}
+        if not changed:
+            return touched, None
+        # A written table's new digest names how it was made: this statement over the digests of everything
+        # it touched (its effect depends on nothing else), so no table is ever scanned to digest it.
+        made = _hash(query, *(f"{key}={digest}" for key, digest in sorted(touched.items())))
+        writes = {key: _hash(made, key) for key in sorted(seen.writes)}
+        versions.update(writes)
+        return None, writes
 
     def _save(self, snapshot: _Snapshot) -> _Snapshot:
         # Between calls no transaction is open and every change is in the file, so a byte copy is exact. A
@@ -456,11 +621,12 @@ class SQLiteSandbox(ManagedSandbox):
             temp = _dump_temp_schema(self._connection())
         finally:
             self._internal = False
+        versions = dict(self._versions) if self._versions is not None else None
         if temp is None:
-            return _Snapshot(snapshot.main, None)
+            return _Snapshot(snapshot.main, None, versions)
         assert snapshot.temp is not None
         snapshot.temp.write_bytes(pickle.dumps(temp, protocol=pickle.HIGHEST_PROTOCOL))
-        return snapshot
+        return _Snapshot(snapshot.main, snapshot.temp, versions)
 
     def _shutdown(self) -> None:
         if self._conn is not None:
@@ -493,6 +659,7 @@ class SQLiteSandbox(ManagedSandbox):
     def _authorize(self, action: int, arg1: str | None, arg2: str | None, db: str | None, source: str | None) -> int:
         if self._internal:
             return sqlite3.SQLITE_OK
+        self._seen.add(action, arg1, arg2, db)
         if action == sqlite3.SQLITE_READ and db == "temp" and arg1 in _TEMP_MASTER and arg2 == "rootpage":
             return sqlite3.SQLITE_IGNORE  # reads as NULL
         reason = _refusal(action, arg1, arg2, db)

@@ -16,7 +16,9 @@ from ..graph import Entry
 from ..stores.base import Store, StoreError, TaskInfo
 from ..stores.wire import (
     ENDPOINTS,
+    AddCandidateRequest,
     AddSnapshotRequest,
+    CandidatesRequest,
     DropSnapshotRequest,
     ExportRequest,
     HealthReply,
@@ -30,6 +32,7 @@ from ..stores.wire import (
     SnapshotsRequest,
     UnleaseRequest,
     WaitRequest,
+    WireCandidate,
     WireEntry,
 )
 from ..version import __version__
@@ -187,6 +190,12 @@ class CacheApp(JSONApi):
 
     async def _refresh(self, req: RefreshRequest, receive: Receive) -> bool:
         return await self.store.refresh(req.scope_key, req.node, req.digest, req.token, req.ttl)
+
+    async def _add_candidate(self, req: AddCandidateRequest, receive: Receive) -> None:
+        await self.store.add_candidate(req.scope_key, req.digest, req.candidate.candidate())
+
+    async def _candidates(self, req: CandidatesRequest, receive: Receive) -> list[WireCandidate]:
+        return [WireCandidate.of(c) for c in await self.store.candidates(req.scope_key, req.digest)]
 
     async def _lease(self, req: LeaseRequest, receive: Receive) -> Any:
         return await self.store.lease(req.scope_key, req.origin, req.path, req.ttl)

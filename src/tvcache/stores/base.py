@@ -14,6 +14,7 @@ import msgspec
 
 from ..errors import StoreError
 from ..graph import EDGE, Entry, Kind, child_id
+from ..reads import Candidate
 
 __all__ = [
     "Claim",
@@ -101,6 +102,15 @@ class Store(Protocol):
 
     async def refresh(self, scope_key: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
         """Extend our claim while a long call runs; False if it was lost (expired and taken over)."""
+        ...
+
+    async def add_candidate(self, scope_key: str, digest: bytes, candidate: Candidate) -> None:
+        """Keep a read-only result of the call `digest` with what it read, for reuse by what a call read
+        (`tvcache.reads`): the newest `reads.MAX_CANDIDATES` per call, an identical one replaced."""
+        ...
+
+    async def candidates(self, scope_key: str, digest: bytes) -> list[Candidate]:
+        """The candidates kept for the call `digest`, newest first."""
         ...
 
     async def lease(self, scope_key: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:

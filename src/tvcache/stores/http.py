@@ -25,13 +25,16 @@ from yarl import URL
 
 from ..graph import Entry
 from ..jsonhttp import Invalid, JSONClient, Refused, Unreachable, parse_url
+from ..reads import Candidate
 from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo
 from .wire import (
     MAX_COUNT,
     MAX_EXPORT,
     MAX_TTL,
     MAX_WAIT,
+    AddCandidateRequest,
     AddSnapshotRequest,
+    CandidatesRequest,
     DropSnapshotRequest,
     ExportRequest,
     LeaseRequest,
@@ -44,6 +47,7 @@ from .wire import (
     SnapshotsRequest,
     UnleaseRequest,
     WaitRequest,
+    WireCandidate,
     WireEntry,
 )
 
@@ -111,6 +115,15 @@ class HTTPStore:
     async def refresh(self, scope_key: str, node: bytes, digest: bytes, token: str, ttl: float) -> bool:
         return await self._call("refresh", RefreshRequest(scope_key, node, digest, token, _within(ttl, MAX_TTL)), bool)
 
+    async def add_candidate(self, scope_key: str, digest: bytes, candidate: Candidate) -> None:
+        await self._call("add_candidate", AddCandidateRequest(scope_key, digest, WireCandidate.of(candidate)), None)
+
+    async def candidates(self, scope_key: str, digest: bytes) -> list[Candidate]:
+        found: list[WireCandidate] = await self._call(
+            "candidates", CandidatesRequest(scope_key, digest), list[WireCandidate]
+        )
+        return [c.candidate() for c in found]
+
     async def lease(self, scope_key: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
         return await self._call(
             "lease", LeaseRequest(scope_key, origin, list(path), _within(ttl, MAX_TTL)), Lease | None
@@ -157,6 +170,8 @@ _NAMES = (
     "record",
     "release",
     "refresh",
+    "add_candidate",
+    "candidates",
     "lease",
     "unlease",
     "add_snapshot",

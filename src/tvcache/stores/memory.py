@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..graph import Entry
+from ..reads import MAX_CANDIDATES, Candidate
 from .base import GraphExport, Lease, SnapshotRecord, TaskInfo, export_entries
 from .eviction import choose_evictions
 from .flights import EmbeddedEntries
@@ -38,6 +39,7 @@ class _Task:
     entries: dict[bytes, Entry] = field(default_factory=dict)  # node + digest -> entry
     snapshots: dict[str, dict[bytes, _Snapshot]] = field(default_factory=dict)  # origin -> node -> snapshot
     leases: dict[str, tuple[str, bytes]] = field(default_factory=dict)  # token -> (origin, node)
+    candidates: dict[bytes, list[Candidate]] = field(default_factory=dict)  # call digest -> newest first
     info: TaskInfo | None = None
 
 
@@ -62,6 +64,16 @@ class MemoryStore(EmbeddedEntries):
 
     async def _put(self, scope_key: str, node: bytes, digest: bytes, entry: Entry) -> Entry:
         return self._task(scope_key).entries.setdefault(node + digest, entry)
+
+    async def add_candidate(self, scope_key: str, digest: bytes, candidate: Candidate) -> None:
+        kept = self._task(scope_key).candidates.setdefault(digest, [])
+        if candidate in kept:
+            kept.remove(candidate)
+        kept.insert(0, candidate)
+        del kept[MAX_CANDIDATES:]
+
+    async def candidates(self, scope_key: str, digest: bytes) -> list[Candidate]:
+        return list(self._task(scope_key).candidates.get(digest, ()))
 
     async def lease(self, scope_key: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
         task = self._task(scope_key)

@@ -19,6 +19,8 @@ Keys of the scope whose key is S, all under the prefix `tvc:{S}:` (`<hex>` is no
     parent:<origin>    hash    node -> the nearest snapshotted ancestor when the snapshot was added
     used:<origin>      zset    node -> last used (server clock, seconds): LRU order for eviction
     lease:<origin>     zset    node + nonce -> expiry (server clock): a snapshot is leased while one is live
+    cands:<digest>     list    msgpack candidates of the call (reuse by what a call read), newest first, bounded
+    candidates         set     the names of the scope's candidate lists, for `forget`
 
 and `tvc:tasks`, one hash of every scope's TaskInfo (its own slot; written once per recording rollout).
 
@@ -63,6 +65,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from ..graph import Entry
+from ..reads import MAX_CANDIDATES, Candidate, decode_candidate, encode_candidate
 from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo, export_entries
 
 __all__ = ["RedisStore"]
@@ -117,6 +120,7 @@ _DROP_SNAPSHOT = _Script("drop_snapshot", "snapshot_keys")
 _SNAPSHOTS = _Script("snapshots", "clock", "snapshot_keys")
 _FORGET = _Script("forget", "snapshot_keys")
 _EXPORT = _Script("export", "clock", "snapshot_keys")
+_ADD_CANDIDATE = _Script("add_candidate")
 
 
 # -- the store -----------------------------------------------------------------------------------------------
@@ -130,6 +134,7 @@ class _Keys:
     entries: str
     hits: str
     origins: str
+    candidates: str
 
 
 @dataclass(slots=True)
@@ -257,7 +262,7 @@ class RedisStore:
         if not scope_key or "{" in scope_key or "}" in scope_key:
             raise ValueError(f"a scope key must be non-empty and hold no braces: {scope_key!r}")
         prefix = f"{self._prefix}:{{{scope_key}}}:"
-        return _Keys(prefix, prefix + "entries", prefix + "hits", prefix + "origins")
+        return _Keys(prefix, prefix + "entries", prefix + "hits", prefix + "origins", prefix + "candidates")
 
     async def _eval(self, script: _Script, keys: Sequence[_Arg], args: Sequence[_Arg]) -> Any:
         try:
@@ -351,6 +356,18 @@ class RedisStore:
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise StoreError(f"redis store at {self._where}: a corrupt {what}: {exc}") from exc
 
+    # -- candidates (reuse by what a call read) ------------------------------------------------------------
+
+    async def add_candidate(self, scope_key: str, digest: bytes, candidate: Candidate) -> None:
+        keys = self._scope(scope_key)
+        cands = f"{keys.prefix}cands:{digest.hex()}"
+        await self._eval(_ADD_CANDIDATE, (cands, keys.candidates), (encode_candidate(candidate), MAX_CANDIDATES))
+
+    async def candidates(self, scope_key: str, digest: bytes) -> list[Candidate]:
+        cands = f"{self._scope(scope_key).prefix}cands:{digest.hex()}"
+        blobs = await self._command("LRANGE", cands, 0, MAX_CANDIDATES - 1)
+        return [self._decode(decode_candidate, blob, "candidate") for blob in blobs]
+
     # -- snapshots ---------------------------------------------------------------------------------------
 
     async def lease(self, scope_key: str, origin: str, path: Sequence[bytes], ttl: float) -> Lease | None:
@@ -422,7 +439,7 @@ class RedisStore:
         the snapshots themselves from its sandboxes first (see `snapshots`)."""
         keys = self._scope(scope_key)
         await asyncio.gather(
-            self._eval(_FORGET, (keys.origins, keys.entries, keys.hits), (keys.prefix,)),
+            self._eval(_FORGET, (keys.origins, keys.entries, keys.hits, keys.candidates), (keys.prefix,)),
             self._command("HDEL", self._tasks_key, scope_key),
         )
 

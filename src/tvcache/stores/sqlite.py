@@ -20,6 +20,7 @@ executing what) is per process, so two processes can execute the same miss once 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import os
 import secrets
@@ -34,6 +35,7 @@ from urllib.parse import parse_qsl
 import msgspec
 
 from ..graph import Entry
+from ..reads import MAX_CANDIDATES, Candidate, decode_candidate, encode_candidate
 from .base import GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo, export_entries
 from .eviction import choose_evictions
 from .flights import EmbeddedEntries
@@ -60,6 +62,10 @@ CREATE TABLE IF NOT EXISTS snapshots (
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS tasks (
     key TEXT PRIMARY KEY, namespace TEXT NOT NULL, task TEXT NOT NULL, fingerprint TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS candidates (
+    scope TEXT NOT NULL, digest BLOB NOT NULL, ident BLOB NOT NULL, added INTEGER NOT NULL, candidate BLOB NOT NULL,
+    PRIMARY KEY (scope, digest, ident)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS leases (
     token TEXT PRIMARY KEY, scope TEXT NOT NULL, origin TEXT NOT NULL, node BLOB NOT NULL, expiry REAL NOT NULL
@@ -124,19 +130,28 @@ def _create(db: sqlite3.Connection) -> None:
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
     db.executescript(_SCHEMA)
+    # Files made before edges recorded their writes (reuse by what a call read) gain the column: their
+    # entries read as writes unknown.
+    if "writes" not in {row[1] for row in db.execute("PRAGMA table_info(entries)")}:
+        db.execute("ALTER TABLE entries ADD COLUMN writes BLOB")
+
+
+_decode_writes = msgspec.msgpack.Decoder(dict[str, str] | None).decode
 
 
 def _entry(row: tuple[Any, ...]) -> Entry:
     """An entry from its row, checked: a row another program wrote badly is a store failure, not a crash."""
     try:
-        return msgspec.convert(row, Entry, builtin_types=(bytes,))  # bytes only from a BLOB, not base64 text
-    except msgspec.ValidationError as exc:
+        kind, output, seconds, call, writes = row
+        fields = (kind, output, seconds, call, None if writes is None else _decode_writes(writes))
+        return msgspec.convert(fields, Entry, builtin_types=(bytes,))  # bytes only from a BLOB, not base64 text
+    except (msgspec.ValidationError, msgspec.DecodeError, TypeError) as exc:
         raise StoreError(f"a corrupt entry in the cache database: {exc}") from exc
 
 
 def _select(db: sqlite3.Connection, node: bytes, digest: bytes) -> Entry | None:
     row = db.execute(
-        "SELECT kind, output, seconds, call FROM entries WHERE node = ? AND digest = ?", (node, digest)
+        "SELECT kind, output, seconds, call, writes FROM entries WHERE node = ? AND digest = ?", (node, digest)
     ).fetchone()
     return None if row is None else _entry(row)
 
@@ -150,6 +165,10 @@ def _records(db: sqlite3.Connection, scope_key: str, origin: str | None) -> list
         (scope_key, origin) if origin is not None else (scope_key,),
     ).fetchall()
     return [SnapshotRecord(o, n, sid, parent, used, (o, n) in leased) for o, n, sid, parent, used in rows]
+
+
+def _writes(entry: Entry) -> bytes | None:
+    return None if entry.writes is None else msgspec.msgpack.encode(entry.writes)
 
 
 class SQLiteStore(EmbeddedEntries):
@@ -208,12 +227,47 @@ class SQLiteStore(EmbeddedEntries):
 
         def insert(db: sqlite3.Connection) -> Entry:
             inserted = db.execute(
-                "INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (node, digest, scope_key, entry.kind, entry.output, entry.seconds, entry.call),
+                "INSERT OR IGNORE INTO entries (node, digest, scope, kind, output, seconds, call, writes)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (node, digest, scope_key, entry.kind, entry.output, entry.seconds, entry.call, _writes(entry)),
             ).rowcount
             return entry if inserted else _select(db, node, digest) or entry
 
         return self.cache.put(key, await self._writer.run(insert)).entry
+
+    # -- candidates (reuse by what a call read) ------------------------------------------------------------
+
+    async def add_candidate(self, scope_key: str, digest: bytes, candidate: Candidate) -> None:
+        blob = encode_candidate(candidate)
+        ident = hashlib.blake2b(blob, digest_size=16).digest()
+
+        def add(db: sqlite3.Connection) -> None:
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute(
+                    "INSERT OR REPLACE INTO candidates VALUES (?, ?, ?,"
+                    " (SELECT coalesce(max(added), 0) + 1 FROM candidates WHERE scope = ? AND digest = ?), ?)",
+                    (scope_key, digest, ident, scope_key, digest, blob),
+                )
+                db.execute(
+                    "DELETE FROM candidates WHERE scope = ? AND digest = ? AND ident NOT IN"
+                    " (SELECT ident FROM candidates WHERE scope = ? AND digest = ? ORDER BY added DESC LIMIT ?)",
+                    (scope_key, digest, scope_key, digest, MAX_CANDIDATES),
+                )
+
+        await self._writer.run(add)
+
+    async def candidates(self, scope_key: str, digest: bytes) -> list[Candidate]:
+        rows = await self._reader.run(
+            lambda db: db.execute(
+                "SELECT candidate FROM candidates WHERE scope = ? AND digest = ? ORDER BY added DESC",
+                (scope_key, digest),
+            ).fetchall()
+        )
+        try:
+            return [decode_candidate(blob) for (blob,) in rows]
+        except (msgspec.ValidationError, msgspec.DecodeError, TypeError) as exc:
+            raise StoreError(f"a corrupt candidate in the cache database: {exc}") from exc
 
     # -- snapshots ---------------------------------------------------------------------------------------
 
@@ -310,7 +364,7 @@ class SQLiteStore(EmbeddedEntries):
                 "SELECT key, namespace, task, fingerprint FROM tasks WHERE key = ?", (scope_key,)
             ).fetchone()
             rows = db.execute(
-                "SELECT node, digest, kind, output, seconds, call FROM entries WHERE scope = ? LIMIT ?",
+                "SELECT node, digest, kind, output, seconds, call, writes FROM entries WHERE scope = ? LIMIT ?",
                 (scope_key, limit + 1),
             ).fetchall()
             return task, [(n, d, _entry(tuple(e))) for n, d, *e in rows], _records(db, scope_key, None)

@@ -16,12 +16,15 @@ import msgspec
 
 from ..graph import Entry, Kind
 from ..jsonhttp import ErrorReply
+from ..reads import MAX_READS, Candidate
 from .base import Claim, GraphExport, Lease, SnapshotRecord, TaskInfo
 
 __all__ = [
     "ENDPOINTS",
     "HEALTHZ",
+    "AddCandidateRequest",
     "AddSnapshotRequest",
+    "CandidatesRequest",
     "DropSnapshotRequest",
     "Endpoint",
     "ErrorReply",
@@ -37,6 +40,7 @@ __all__ = [
     "StatsReply",
     "UnleaseRequest",
     "WaitRequest",
+    "WireCandidate",
     "WireEntry",
     "operation",
 ]
@@ -67,6 +71,9 @@ Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_TTL)]
 Path = Annotated[list[NodeId], msgspec.Meta(max_length=MAX_PATH, description="node ids, root first")]
 # JSON Schema calls 3.0 an integer too, so counts are numbers that must be whole; handlers take int() of them.
 Count = Annotated[float, msgspec.Meta(ge=0, le=MAX_COUNT, multiple_of=1)]
+MAX_STATE_KEYS = 100_000  # keys one edge may write
+StateKey = Annotated[str, msgspec.Meta(max_length=8192, description="a piece of sandbox state: a file, a table")]
+StateDigest = Annotated[str, msgspec.Meta(max_length=256, description="its content digest, empty for absent")]
 
 
 class WireEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -76,13 +83,39 @@ class WireEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output: Annotated[bytes, msgspec.Meta(description="the encoded tool output, base64", extra_json_schema=_B64)]
     seconds: Annotated[float, msgspec.Meta(ge=0, le=1e9, description="how long the execution took")]
     call: Annotated[str, msgspec.Meta(max_length=4096, description="the call's key, cut short, for people")] = ""
+    writes: (
+        Annotated[
+            dict[StateKey, StateDigest],
+            msgspec.Meta(max_length=MAX_STATE_KEYS, description="an edge's writes: state key -> new digest"),
+        ]
+        | None
+    ) = None
 
     @classmethod
     def of(cls, entry: Entry) -> WireEntry:
-        return cls(entry.kind, entry.output, entry.seconds, entry.call)
+        return cls(entry.kind, entry.output, entry.seconds, entry.call, entry.writes)
 
     def entry(self) -> Entry:
-        return Entry(self.kind, self.output, self.seconds, self.call)
+        return Entry(self.kind, self.output, self.seconds, self.call, self.writes)
+
+
+class WireCandidate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`reads.Candidate` as a JSON object: a read-only result and the digests of what it read."""
+
+    reads: Annotated[
+        dict[StateKey, StateDigest],
+        msgspec.Meta(max_length=MAX_READS, description="what the call read: state key -> digest seen"),
+    ]
+    output: Annotated[bytes, msgspec.Meta(description="the encoded tool output, base64", extra_json_schema=_B64)]
+    seconds: Annotated[float, msgspec.Meta(ge=0, le=1e9, description="how long the execution took")]
+    call: Annotated[str, msgspec.Meta(max_length=4096, description="the call's key, cut short, for people")] = ""
+
+    @classmethod
+    def of(cls, candidate: Candidate) -> WireCandidate:
+        return cls(candidate.reads, candidate.output, candidate.seconds, candidate.call)
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.reads, self.output, self.seconds, self.call)
 
 
 # Requests refuse unknown fields: a misspelt argument must not be silently ignored.
@@ -106,6 +139,17 @@ class RecordRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     digest: Digest
     entry: WireEntry
     token: Token | None = None
+
+
+class AddCandidateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    scope_key: ScopeKey
+    digest: Digest
+    candidate: WireCandidate
+
+
+class CandidatesRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    scope_key: ScopeKey
+    digest: Digest
 
 
 class ReleaseRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -255,6 +299,8 @@ ENDPOINTS: list[Endpoint] = [
     operation("record", RecordRequest, WireEntry, "Store an entry unless one exists, release the claim; the winner."),
     operation("release", ReleaseRequest, None, "Give a claim up without an entry; waiters wake and retry."),
     operation("refresh", RefreshRequest, bool, "Extend a claim; false if it was lost."),
+    operation("add_candidate", AddCandidateRequest, None, "Keep a read-only result with what it read (bounded)."),
+    operation("candidates", CandidatesRequest, list[WireCandidate], "A call's kept read-only results, newest first."),
     operation("lease", LeaseRequest, Lease | None, "Lease the origin's deepest snapshot on a path."),
     operation("unlease", UnleaseRequest, None, "End a lease."),
     operation("add_snapshot", AddSnapshotRequest, list[str], "Attach a snapshot, evict; ids the caller must delete."),

@@ -1,0 +1,327 @@
+"""Reuse by what a call read, in the core: candidates in every store (memory, SQLite, Redis, Redis Cluster, the HTTP
+server), edges' writes carried by entries, and the rollout's second lookup phase, shared across caches that share
+a store. The sandbox side and the oracle are in test_reads_sqlite.py."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tvcache
+from redis_server import redis_cluster, redis_server  # noqa: F401  (fixtures for the redis stores)
+from server_helpers import Server
+from test_stores import ROOT, SCOPE
+from tvcache.graph import EDGE, MEMO, Entry
+from tvcache.reads import MAX_CANDIDATES, Candidate, Writes, choose
+from tvcache.sandboxes.base import BaseDigests
+from tvcache.sandboxes.sqlite import SQLiteSandboxes
+from tvcache.stores import StoreError
+from tvcache.stores.memory import MemoryStore
+from tvcache.stores.sqlite import SQLiteStore
+
+D1, D2 = b"1" * 16, b"2" * 16
+SCHEMA = """
+CREATE TABLE a(x TEXT); CREATE TABLE b(y TEXT);
+INSERT INTO a VALUES ('a0'); INSERT INTO b VALUES ('b0');
+"""
+
+
+@pytest.fixture(params=["memory", "sqlite", "redis", "redis-cluster", "http"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    s: Any
+    server = None
+    if request.param == "memory":
+        s = MemoryStore()
+    elif request.param == "sqlite":
+        s = SQLiteStore(tmp_path / "c.db")
+    elif request.param == "http":  # a real `tvcache serve` in a subprocess, over a SQLite file
+        server = Server(tmp_path, f"sqlite:///{tmp_path}/served.db").start()
+        s = tvcache.stores.open_store(server.url)
+    else:
+        pytest.importorskip("redis", reason="the redis package (redis-py) is not installed")
+        from tvcache.stores.redis import RedisStore
+
+        redis = request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
+        redis.flush()
+        s = RedisStore(redis.url)
+    yield s
+    asyncio.run(s.close())
+    if server is not None:
+        server.stop()
+
+
+def candidate(i: int, reads: dict[str, str] | None = None) -> Candidate:
+    return Candidate(reads if reads is not None else {"schema": "s", f"k{i}": str(i)}, f"out{i}".encode(), 0.25, "c")
+
+
+# -- stores ----------------------------------------------------------------------------------------------------
+
+
+def test_candidates_are_kept_newest_first_bounded_and_deduplicated(store: Any) -> None:
+    async def main() -> None:
+        key = SCOPE.key
+        assert await store.candidates(key, D1) == []
+        for i in range(MAX_CANDIDATES + 3):
+            await store.add_candidate(key, D1, candidate(i))
+        kept = await store.candidates(key, D1)
+        assert kept == [candidate(i) for i in reversed(range(3, MAX_CANDIDATES + 3))]
+        await store.add_candidate(key, D1, candidate(5))  # seen again: moves to the front, not kept twice
+        kept = await store.candidates(key, D1)
+        assert kept[0] == candidate(5) and len(kept) == MAX_CANDIDATES and kept.count(candidate(5)) == 1
+        assert await store.candidates(key, D2) == []  # per call
+        assert await store.candidates("f" * 32, D1) == []  # per scope
+        empty = Candidate({}, b"", 0.0)  # a call that read nothing observable (a constant)
+        await store.add_candidate(key, D2, empty)
+        assert await store.candidates(key, D2) == [empty]
+
+    asyncio.run(main())
+
+
+def test_entries_carry_the_writes_of_edges(store: Any) -> None:
+    async def main() -> None:
+        key = SCOPE.key
+        edge = Entry(EDGE, b"ok", 0.5, "c", {"table:main.a": "d1", "path:/x": ""})
+        await store.record(key, ROOT, D1, edge, None)
+        await store.record(key, ROOT, D2, Entry(MEMO, b"m", 0.5), None)
+        assert await store.lookup(key, ROOT, D1) == edge
+        assert (await store.lookup(key, ROOT, D2)).writes is None
+
+    asyncio.run(main())
+
+
+def test_redis_forget_drops_candidates(redis_server: Any) -> None:  # noqa: F811
+    pytest.importorskip("redis")
+    from tvcache.stores.redis import RedisStore
+
+    async def main() -> None:
+        redis_server.flush()
+        store = RedisStore(redis_server.url)
+        await store.add_candidate(SCOPE.key, D1, candidate(1))
+        await store.forget(SCOPE.key)
+        assert await store.candidates(SCOPE.key, D1) == []
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_sqlite_store_made_before_read_sets_gains_the_writes_column(tmp_path: Path) -> None:
+    """A cache file of an earlier version (entries without `writes`) opens, and its edges read as writes unknown."""
+    db = tmp_path / "old.db"
+    raw = sqlite3.connect(db)
+    raw.execute(
+        "CREATE TABLE entries (node BLOB NOT NULL, digest BLOB NOT NULL, scope TEXT NOT NULL, kind TEXT NOT NULL,"
+        " output BLOB NOT NULL, seconds REAL NOT NULL, call TEXT NOT NULL, PRIMARY KEY (node, digest)) WITHOUT ROWID"
+    )
+    raw.execute("INSERT INTO entries VALUES (?, ?, ?, 'edge', x'a26f6b', 0.1, '')", (ROOT, D1, SCOPE.key))
+    raw.commit()
+    raw.close()
+
+    async def main() -> None:
+        store = SQLiteStore(db, cache_mb=0)
+        assert await store.lookup(SCOPE.key, ROOT, D1) == Entry(EDGE, b"\xa2ok", 0.1, "", None)
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_corrupt_candidates_and_writes_are_store_errors(tmp_path: Path) -> None:
+    db = tmp_path / "c.db"
+    asyncio.run(SQLiteStore(db).close())
+    raw = sqlite3.connect(db)
+    raw.execute("INSERT INTO candidates VALUES (?, ?, x'00', 1, x'c1')", (SCOPE.key, D1))
+    raw.execute(
+        "INSERT INTO entries (node, digest, scope, kind, output, seconds, call, writes)"
+        " VALUES (?, ?, ?, 'edge', x'00', 0.1, '', x'c1')",
+        (ROOT, D2, SCOPE.key),
+    )
+    raw.commit()
+    raw.close()
+
+    async def main() -> None:
+        store = SQLiteStore(db, cache_mb=0)
+        with pytest.raises(StoreError, match="corrupt candidate"):
+            await store.candidates(SCOPE.key, D1)
+        with pytest.raises(StoreError, match="corrupt entry"):
+            await store.lookup(SCOPE.key, ROOT, D2)
+        await store.close()
+
+    asyncio.run(main())
+
+
+# -- the pure parts ---------------------------------------------------------------------------------------------
+
+
+class Base:
+    """A starting state given as a map (the protocol is one method); it counts the keys it is asked for."""
+
+    def __init__(self, digests: dict[str, str]):
+        self.digests, self.asked = digests, 0
+
+    async def base_digests(self, keys: Any) -> dict[str, str]:
+        self.asked += len(keys)
+        return {k: self.digests[k] for k in keys if k in self.digests}
+
+
+def test_choose_takes_the_newest_candidate_whose_reads_all_match() -> None:
+    base = Base({"a": "1", "b": "1", "gone": ""})
+    assert isinstance(base, BaseDigests)
+    old = Candidate({"a": "1", "b": "1"}, b"old", 0.1)
+    new = Candidate({"a": "2", "b": "1"}, b"new", 0.1)
+    absent = Candidate({"gone": ""}, b"absent", 0.1)
+    unknown = Candidate({"never-answered": "1"}, b"unknown", 0.1)
+
+    async def pick(candidates: list[Candidate], state: dict[str, str]) -> bytes | None:
+        found = await choose(candidates, state, base)
+        return None if found is None else found.output
+
+    assert asyncio.run(pick([new, old], {})) == b"old"
+    assert asyncio.run(pick([new, old], {"a": "2"})) == b"new"
+    assert asyncio.run(pick([new, old], {"a": "3"})) is None
+    assert asyncio.run(pick([absent], {})) == b"absent"
+    assert asyncio.run(pick([absent], {"gone": "now here"})) is None
+    assert asyncio.run(pick([unknown], {})) is None  # a key the factory does not know matches nothing
+    base.asked = 0
+    assert asyncio.run(pick([new], {"a": "2", "b": "1"})) == b"new" and base.asked == 0  # all known: no base asked
+
+
+def test_writes_are_unknown_for_good_once_one_edge_is() -> None:
+    w = Writes()
+    w.apply({"a": "1"})
+    w.apply({"a": "2", "b": ""})
+    assert w.known == {"a": "2", "b": ""}
+    w.apply(None)
+    w.apply({"c": "3"})
+    assert w.known is None
+
+
+# -- rollouts -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    path = tmp_path / "base.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript(SCHEMA)
+    conn.close()
+    return path
+
+
+async def two_rollouts(cache: tvcache.ToolCache, boxes: Any, second: list[str]) -> list[tvcache.Result]:
+    """Rollout 1 writes `a` and reads `b`; rollout 2 writes `a` differently and makes the calls `second`."""
+    async with cache.rollout("t", boxes) as r:
+        await r.call("sql", {"query": "INSERT INTO a VALUES ('one')"})
+        await r.call("sql", {"query": "SELECT * FROM b"})
+    async with cache.rollout("t", boxes) as r:
+        await r.call("sql", {"query": "INSERT INTO a VALUES ('two')"})
+        return [await r.call("sql", {"query": q}) for q in second]
+
+
+def test_a_read_after_an_unrelated_write_is_a_read_set_hit_then_an_exact_memo(db: Path) -> None:
+    async def main() -> tuple[list[tvcache.Result], dict[str, Any]]:
+        async with SQLiteSandboxes(db) as boxes, tvcache.ToolCache() as cache:
+            results = await two_rollouts(cache, boxes, ["SELECT * FROM b", "SELECT * FROM b", "SELECT * FROM a"])
+            return results, cache.stats()
+
+    (first, again, other), stats = asyncio.run(main())
+    assert (first.output, first.source, first.hit) == ("y\nb0", "reads", True)
+    assert (again.source, other.source, other.output) == ("memo", "executed", "x\na0\ntwo")
+    assert stats["read_set_hits"] == 1 and stats["hits"] == 2
+
+
+def test_read_sets_can_be_switched_off(db: Path) -> None:
+    async def main() -> list[str]:
+        async with SQLiteSandboxes(db) as boxes, tvcache.ToolCache(read_sets=False) as cache:
+            return [r.source for r in await two_rollouts(cache, boxes, ["SELECT * FROM b"])]
+
+    assert asyncio.run(main()) == ["executed"]
+
+
+def test_no_reuse_below_an_edge_whose_writes_are_unknown(db: Path) -> None:
+    """An ALTER TABLE's writes are not observed: a rollout that passed it (executing it, or hitting it) knows its
+    state's content no more, even for a table the ALTER did not touch."""
+
+    async def main() -> list[str]:
+        async with SQLiteSandboxes(db) as boxes, tvcache.ToolCache() as cache:
+            reads = ["SELECT * FROM b", "SELECT y FROM b"]
+            async with cache.rollout("t", boxes) as r:
+                for query in reads:  # candidates for the base state
+                    await r.call("sql", {"query": query})
+            sources = []
+            for query in reads:  # the first rollout executes the ALTER, the second hits it
+                async with cache.rollout("t", boxes) as r:
+                    sources.append((await r.call("sql", {"query": "ALTER TABLE a ADD COLUMN z"})).source)
+                    sources.append((await r.call("sql", {"query": query})).source)
+            return sources
+
+    assert asyncio.run(main()) == ["executed", "executed", "edge", "executed"]
+
+
+class Opaque:
+    """A factory whose sandboxes report reads but which cannot tell its starting state's digests."""
+
+    def __init__(self, inner: SQLiteSandboxes):
+        self.inner = inner
+        self.fingerprint = inner.fingerprint
+
+    async def create(self) -> Any:
+        return await self.inner.create()
+
+    async def restore(self, snapshot_id: str) -> Any:
+        return await self.inner.restore(snapshot_id)
+
+    async def delete(self, snapshot_id: str) -> None:
+        await self.inner.delete(snapshot_id)
+
+
+def test_a_factory_without_base_digests_reuses_by_exact_history_only(db: Path) -> None:
+    async def main() -> tuple[list[str], int]:
+        async with SQLiteSandboxes(db) as boxes, tvcache.ToolCache() as cache:
+            sources = [r.source for r in await two_rollouts(cache, Opaque(boxes), ["SELECT * FROM b"])]
+            return sources, len(
+                await cache.store.candidates(
+                    cache.scope("t", boxes).key, tvcache.ToolCall("sql", {"query": "SELECT * FROM b"}).digest
+                )
+            )
+
+    assert asyncio.run(main()) == (["executed"], 0)  # and it records no candidates it could never use
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "http"])
+def test_candidates_are_shared_by_caches_sharing_a_store(db: Path, tmp_path: Path, kind: str) -> None:
+    """Two caches, each with its own store client and sandbox factory (as two processes or machines have): the
+    second reuses by what it read a result the first recorded, over the SQLite file or the HTTP server."""
+    server = Server(tmp_path, f"sqlite:///{tmp_path}/served.db").start() if kind == "http" else None
+    url = server.url if server is not None else f"sqlite:///{tmp_path}/shared.db"
+
+    async def main() -> list[str]:
+        async with SQLiteSandboxes(db) as boxes, tvcache.ToolCache(url) as cache, cache.rollout("t", boxes) as r:
+            await r.call("sql", {"query": "INSERT INTO a VALUES ('one')"})
+            await r.call("sql", {"query": "SELECT * FROM b"})
+        async with SQLiteSandboxes(db) as boxes, tvcache.ToolCache(url) as cache, cache.rollout("t", boxes) as r:
+            await r.call("sql", {"query": "INSERT INTO a VALUES ('two')"})
+            return [(await r.call("sql", {"query": "SELECT * FROM b"})).source]
+
+    try:
+        assert asyncio.run(main()) == ["reads"]
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def test_a_store_failure_in_the_second_phase_executes_the_call(db: Path) -> None:
+    class Failing(MemoryStore):
+        async def candidates(self, scope_key: str, digest: bytes) -> list[Candidate]:
+            raise StoreError("down")
+
+    async def main() -> tuple[list[tvcache.Result], dict[str, Any]]:
+        async with SQLiteSandboxes(db) as boxes, tvcache.ToolCache(store=Failing()) as cache:
+            return await two_rollouts(cache, boxes, ["SELECT * FROM b"]), cache.stats()
+
+    (result,), stats = asyncio.run(main())
+    # Every exact miss of the four calls asked for candidates, and went on without them.
+    assert (result.source, result.output) == ("executed", "y\nb0") and stats["store_errors"] == 4
