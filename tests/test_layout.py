@@ -37,6 +37,7 @@ RANKS = {
     "sandboxes": 2,
     "warm": 3,
     "context": 3,
+    "reads": 3,
     "live": 4,
     "rollout": 4,
     "cache": 5,

@@ -16,8 +16,8 @@ import tvcache
 from redis_server import redis_cluster, redis_server  # noqa: F401  (fixtures for the redis stores)
 from server_helpers import Server
 from test_stores import ROOT, SCOPE
-from tvcache.graph import EDGE, MEMO, Entry
-from tvcache.reads import MAX_CANDIDATES, Candidate, Writes, choose
+from tvcache.graph import EDGE, MAX_CANDIDATES, MEMO, Candidate, Entry
+from tvcache.reads import Writes, choose
 from tvcache.sandboxes.base import BaseDigests
 from tvcache.sandboxes.sqlite import SQLiteSandboxes
 from tvcache.stores import StoreError

@@ -16,7 +16,21 @@ import msgspec
 
 from .calls import DIGEST_SIZE, canonical_json
 
-__all__ = ["EDGE", "MEMO", "Entry", "Kind", "Scope", "child_id", "decode_output", "encode_output"]
+__all__ = [
+    "EDGE",
+    "MAX_CANDIDATES",
+    "MAX_READS",
+    "MEMO",
+    "Candidate",
+    "Entry",
+    "Kind",
+    "Scope",
+    "child_id",
+    "decode_candidate",
+    "decode_output",
+    "encode_candidate",
+    "encode_output",
+]
 
 Kind = Literal["edge", "memo"]
 EDGE: Kind = "edge"
@@ -67,6 +81,36 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
     seconds: float
     call: str = ""  # the call's key, cut short: for people reading the graph, never for lookups
     writes: dict[str, str] | None = None
+
+
+#: Candidates kept per call and scope, newest first: a hot call read in many states cannot grow without limit.
+MAX_CANDIDATES = 8
+#: A call that read more keys than this is not kept as a candidate (a `find /`): checking it would cost more
+#: than it saves, and its record would be large in every store.
+MAX_READS = 4096
+
+
+class Candidate(msgspec.Struct, frozen=True, array_like=True):
+    """A read-only call's result with what it read (`tvcache.reads`): `reads` maps state keys to the digests the
+    call saw. Stores keep a call's newest `MAX_CANDIDATES`."""
+
+    reads: dict[str, str]
+    output: bytes
+    seconds: float
+    call: str = ""  # the call's key, cut short, for people
+
+
+_candidate_encoder = msgspec.msgpack.Encoder(order="sorted")
+_candidate_decoder = msgspec.msgpack.Decoder(Candidate)
+
+
+def encode_candidate(candidate: Candidate) -> bytes:
+    """Canonical bytes (keys sorted): two records of the same result and reads are the same bytes."""
+    return _candidate_encoder.encode(candidate)
+
+
+def decode_candidate(blob: bytes) -> Candidate:
+    return _candidate_decoder.decode(blob)
 
 
 # A str with a lone surrogate (what `os.fsdecode` makes of a file name that is not UTF-8) has no UTF-8 form, so

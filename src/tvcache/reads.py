@@ -22,39 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-import msgspec
-
+from .graph import MAX_READS, Candidate
 from .sandboxes.base import BaseDigests, Outcome, Sandboxes
 
-__all__ = ["MAX_CANDIDATES", "MAX_READS", "Candidate", "Writes", "base_digests_of", "candidate_of", "choose"]
-
-#: Candidates kept per call and scope, newest first: a hot call read in many states cannot grow without limit.
-MAX_CANDIDATES = 8
-#: A call that read more keys than this is not kept as a candidate (a `find /`): checking it would cost more
-#: than it saves, and its record would be large in every store.
-MAX_READS = 4096
-
-
-class Candidate(msgspec.Struct, frozen=True, array_like=True):
-    """A read-only call's result with what it read: `reads` maps state keys to the digests seen."""
-
-    reads: dict[str, str]
-    output: bytes
-    seconds: float
-    call: str = ""  # the call's key, cut short, for people
-
-
-_encoder = msgspec.msgpack.Encoder(order="sorted")
-_decoder = msgspec.msgpack.Decoder(Candidate)
-
-
-def encode_candidate(candidate: Candidate) -> bytes:
-    """Canonical bytes (keys sorted): two records of the same result and reads are the same bytes."""
-    return _encoder.encode(candidate)
-
-
-def decode_candidate(blob: bytes) -> Candidate:
-    return _decoder.decode(blob)
+__all__ = ["MAX_READS", "Candidate", "Writes", "base_digests_of", "candidate_of", "choose"]
 
 
 def candidate_of(outcome: Outcome, output: bytes, seconds: float, call: str) -> Candidate | None:

@@ -13,8 +13,7 @@ from typing import Protocol
 import msgspec
 
 from ..errors import StoreError
-from ..graph import EDGE, Entry, Kind, child_id
-from ..reads import Candidate
+from ..graph import EDGE, Candidate, Entry, Kind, child_id
 
 __all__ = [
     "Claim",

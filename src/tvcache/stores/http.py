@@ -23,9 +23,8 @@ from typing import Any, TypeVar
 import msgspec
 from yarl import URL
 
-from ..graph import Entry
+from ..graph import Candidate, Entry
 from ..jsonhttp import Invalid, JSONClient, Refused, Unreachable, parse_url
-from ..reads import Candidate
 from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo
 from .wire import (
     MAX_COUNT,

@@ -11,8 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..graph import Entry
-from ..reads import MAX_CANDIDATES, Candidate
+from ..graph import MAX_CANDIDATES, Candidate, Entry
 from .base import GraphExport, Lease, SnapshotRecord, TaskInfo, export_entries
 from .eviction import choose_evictions
 from .flights import EmbeddedEntries

@@ -64,8 +64,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
-from ..graph import Entry
-from ..reads import MAX_CANDIDATES, Candidate, decode_candidate, encode_candidate
+from ..graph import MAX_CANDIDATES, Candidate, Entry, decode_candidate, encode_candidate
 from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo, export_entries
 
 __all__ = ["RedisStore"]

@@ -34,8 +34,7 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
-from ..graph import Entry
-from ..reads import MAX_CANDIDATES, Candidate, decode_candidate, encode_candidate
+from ..graph import MAX_CANDIDATES, Candidate, Entry, decode_candidate, encode_candidate
 from .base import GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo, export_entries
 from .eviction import choose_evictions
 from .flights import EmbeddedEntries

@@ -14,9 +14,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from ..graph import Entry, Kind
+from ..graph import MAX_READS, Candidate, Entry, Kind
 from ..jsonhttp import ErrorReply
-from ..reads import MAX_READS, Candidate
 from .base import Claim, GraphExport, Lease, SnapshotRecord, TaskInfo
 
 __all__ = [
