@@ -173,31 +173,46 @@ COMMANDS = [
 
 def test_the_bash_tool_answers_as_the_harness_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The harness's own `run_bash` (verifiers.v1.harnesses.utils.core), executed here, next to the same commands
-    through a rollout; its 3,600 s timeout is shortened to one second on both sides to see the message."""
+    through two rollouts of a task. The harness's 3,600 s timeout is a constant inside `run_bash`: to see a timeout
+    here, `subprocess.run` is patched to pass 1 s for the harness, and `HARNESS_TIMEOUT` is set to 1 for tvcache. A
+    timed-out command is a failure: the model sees the harness's message, nothing is recorded (the second rollout
+    runs it again), and the rollout goes on in its own sandbox (the killed command may have changed it)."""
     import subprocess
 
     from verifiers.v1.harnesses.utils import core
 
     from tvcache.integrations import verifiers as integration
 
+    commands = [*COMMANDS[:2], "sleep 5", *COMMANDS[2:]]
     monkeypatch.chdir("/")  # the harness's working directory, as the rollout's
-    expected = [core.run_bash(command) for command in COMMANDS]
-    expected.append(f"error: {subprocess.TimeoutExpired(['bash', '-c', 'sleep 5'], 1)}")
+    run = subprocess.run
+    with monkeypatch.context() as patched:
+        patched.setattr(core.subprocess, "run", lambda *a, **k: run(*a, **{**k, "timeout": 1}))
+        expected = [core.run_bash(command) for command in commands]
     monkeypatch.setattr(integration, "HARNESS_TIMEOUT", 1)
 
-    async def main() -> list[str]:
-        boxes = tvcache.WorkspaceSandboxes(tempfile.mkdtemp(), network=False, timeout=30)
+    async def main() -> list[tuple[list[str], int]]:
+        inner = tvcache.WorkspaceSandboxes(tempfile.mkdtemp(), network=False, timeout=30)
+        boxes = integration.HarnessSandboxes.of(inner)
         async with tvcache.ToolCache() as cache:
-            rollout = await cache.open("harness", boxes)
-            opened = integration._Open(rollout, lambda: None, "/")  # type: ignore[arg-type]
-            try:
-                return [await integration._run_tool(opened, "bash", {"command": c}) for c in [*COMMANDS, "sleep 5"]]
-            finally:
-                await rollout.close()
-                await boxes.close()
+            runs = []
+            for _ in range(2):
+                rollout = await cache.open("harness", boxes)
+                opened = integration._Open(rollout, lambda: None, "/")  # type: ignore[arg-type]
+                try:
+                    runs.append(
+                        ([await integration._run_tool(opened, "bash", {"command": c}) for c in commands], opened.hits)
+                    )
+                finally:
+                    await rollout.close()
+            await inner.close()
+            return runs
 
-    assert asyncio.run(main()) == expected
+    (first, first_hits), (second, second_hits) = asyncio.run(main())
+    assert first == second == expected
     assert expected[0] == "out1\nout2\nerr1\n" and expected[1] == "a\nb\nc"
+    assert expected[2] == f"error: {subprocess.TimeoutExpired(['bash', '-c', 'sleep 5'], 1)}"
+    assert (first_hits, second_hits) == (0, 2)  # the two commands before the timeout hit; it and the rest ran
 
 
 def test_the_example_runs_without_arguments_on_its_scripted_policy(tmp_path: Path) -> None:

@@ -15,9 +15,11 @@ task's `@vf.intercept` request hooks, and a hook that puts a result in the call'
 model that result instead of executing the call. `CachedTask` adds such a hook: every `bash` and `edit` call the
 model makes is executed by this trace's tvcache rollout, in its workspace sandbox, and the harness executes nothing.
 `bash` runs in a fresh shell started in the sandbox's working directory, as the harness runs each command (`cd`
-and exports do not carry over), and answers the output; `edit` is the harness's single-occurrence replacement,
-with its messages, run inside the sandbox. Calls whose arguments are not a JSON object, and other tools (MCP
-toolsets), are left to the harness. The harness's runtime still hosts the harness program itself.
+and exports do not carry over), and answers what the harness's `run_bash` answers (`HarnessSandboxes`): stdout then
+stderr, or the harness's message for a command that reached its 3,600 s timeout, a failed call never recorded;
+`edit` is the harness's single-occurrence replacement, with its messages, run inside the sandbox. Calls whose
+arguments are not a JSON object, and other tools (MCP toolsets), are left to the harness. The harness's runtime
+still hosts the harness program itself.
 
 **The task's own commands.** `setup`, `finalize`, `stage_verifier` and the task's `@vf.reward` / `@vf.metric`
 functions receive, as `runtime`, a view whose `run`, `read` and `write` are calls of the same rollout: setup
@@ -54,11 +56,12 @@ import verifiers.v1 as vf  # noqa: E402
 from verifiers.v1.utils.loaders import harness_class  # noqa: E402
 
 from ..cache import ToolCache  # noqa: E402
-from ..calls import Tools  # noqa: E402
+from ..calls import ToolCall, Tools  # noqa: E402
 from ..rollout import Result, Rollout  # noqa: E402
-from ..sandboxes.base import Sandboxes  # noqa: E402
+from ..sandboxes.base import Outcome, Output, Sandbox, Sandboxes  # noqa: E402
 from . import streams  # noqa: E402
 from .process import process_cache  # noqa: E402
+from .tinker import CommandSandbox, CommandSandboxes  # noqa: E402
 
 __all__ = ["CachedRuntime", "CachedTask"]
 
@@ -157,7 +160,9 @@ class CachedTask(vf.Task):
                 f"bash harness (tvcache serves {', '.join(sorted(SERVED_HARNESSES))})"
             )
         sandboxes = self.tvcache_sandboxes()
-        rollout = await self.tvcache_cache().open(self.tvcache_task(), sandboxes, self.tvcache_tools)
+        rollout = await self.tvcache_cache().open(
+            self.tvcache_task(), HarnessSandboxes.of(sandboxes), self.tvcache_tools
+        )
         _open[trace.id] = _Open(rollout, weakref.ref(trace), getattr(sandboxes, "cwd", None))
         await super().setup(trace, self._view(trace, runtime))
 
@@ -229,31 +234,57 @@ async def _run_tool(opened: _Open, name: str, args: dict[str, Any]) -> str:
         command = args.get("command", "")
         if not isinstance(command, str):
             return f"error: the command must be a string, got {type(command).__name__}"
-        code = streams.script("bash -c", command, HARNESS_TIMEOUT)
-        return _harness_bash(await opened.call("bash", {"command": _from_workdir(opened.workdir, code)}), command)
+        call = {"command": command, "workdir": opened.workdir, "timeout": HARNESS_TIMEOUT}
+        return str((await opened.call(HARNESS_BASH, call)).output)
     encoded = base64.b64encode(json.dumps(args).encode()).decode()
     edit = f"python3 -c {shlex.quote(_EDIT)} {encoded}"
     return _text(await opened.call("bash", {"command": _from_workdir(opened.workdir, edit)}))
 
 
-#: The bash harness's per-command timeout (verifiers.v1.harnesses.utils.core.run_bash).
-HARNESS_TIMEOUT = 3600
+#: The tool that runs a command as the harness's `run_bash` does (`HarnessSandboxes`).
+HARNESS_BASH = "harness_bash"
 
 
-def _harness_bash(result: Result, command: str) -> str:
-    """What the harness's `run_bash` answers: stdout then stderr, decoded as `subprocess.run(text=True)` decodes
-    them (UTF-8, universal newlines), or `error: ...` for a timeout or output that does not decode."""
-    out = result.output
-    captured = streams.parse(str(out.get("output", ""))) if isinstance(out, dict) and not result.error else None
-    if captured is None:
-        return _text(result)  # the sandbox failed the command (its own timeout), or the working directory is gone
-    if captured.timed_out:
-        return f"error: Command '{['bash', '-c', command]}' timed out after {HARNESS_TIMEOUT} seconds"
-    try:
-        decoded = [s.decode().replace("\r\n", "\n").replace("\r", "\n") for s in (captured.stdout, captured.stderr)]
-    except UnicodeDecodeError as exc:
-        return f"error: {exc}"
-    return decoded[0] + decoded[1]
+class HarnessSandboxes(CommandSandboxes):
+    """A shell sandbox factory with one more tool, `harness_bash {"command", "workdir", "timeout"}`, answering what
+    the harness's `run_bash` answers. A command that reaches the timeout is a failed call (`error=True`: never
+    recorded, and the rollout goes on in its own sandbox), answered with the harness's message. The rest is Tinker's
+    wrapper of a shell factory (`CommandSandboxes`): one per inner factory, its snapshots the inner one's."""
+
+    _made: dict[int, CommandSandboxes] = {}  # its own: `of` must not hand out a Tinker wrapper
+
+    @property
+    def fingerprint(self) -> str:
+        return f"{self.inner.fingerprint}+verifiers-harness_bash-v1"
+
+    async def create(self) -> Sandbox:
+        return HarnessSandbox(await self.inner.create())
+
+    async def restore(self, snapshot_id: str) -> Sandbox:
+        return HarnessSandbox(await self.inner.restore(snapshot_id))
+
+
+class HarnessSandbox(CommandSandbox):
+    async def execute(self, call: ToolCall) -> Outcome:
+        if call.tool != HARNESS_BASH:
+            return await self.inner.execute(call)
+        args = call.args
+        assert isinstance(args, dict)
+        command, seconds = str(args["command"]), int(args["timeout"])
+        code = _from_workdir(args.get("workdir"), streams.script("bash -c", command, seconds))
+        outcome = await self.inner.execute(ToolCall("bash", {"command": code}))
+        out = outcome.output
+        captured = streams.parse(str(out.get("output", ""))) if isinstance(out, dict) and not outcome.error else None
+        if captured is None:  # the sandbox failed the command (its own timeout), or the working directory is gone
+            return Outcome(_text(out), outcome.changed, outcome.error)
+        if captured.timed_out:
+            return Outcome(f"error: Command '{['bash', '-c', command]}' timed out after {seconds} seconds", None, True)
+        try:
+            decoded = [s.decode().replace("\r\n", "\n").replace("\r", "\n") for s in (captured.stdout, captured.stderr)]
+        except UnicodeDecodeError as exc:
+            return Outcome(f"error: {exc}", outcome.changed)
+        # stdout then stderr, decoded as `subprocess.run(text=True)` decodes them (UTF-8, universal newlines)
+        return Outcome(decoded[0] + decoded[1], outcome.changed)
 
 
 def _from_workdir(workdir: str | None, command: str) -> str:
@@ -263,9 +294,9 @@ def _from_workdir(workdir: str | None, command: str) -> str:
     return f"(\n{start}{command}\n)"
 
 
-def _text(result: Result) -> str:
-    """A sandbox's bash result as the harness shows a command's result: its output."""
-    out = result.output
+def _text(result: Result | Output) -> str:
+    """A sandbox's bash result (or its output) as the harness shows a command's result: its output."""
+    out = result.output if isinstance(result, Result) else result
     if isinstance(out, dict):
         text = str(out.get("output", ""))
         return f"{text}error: {out['error']}" if "error" in out else text
