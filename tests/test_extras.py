@@ -34,9 +34,17 @@ PROBES: dict[str, tuple[bool, str]] = {
     "skyrl": (False, "import skyrl_gym, openai, tvcache.integrations.skyrl"),
     "art": (
         False,
-        "import art, openai, tvcache.integrations.art; "
-        "assert int(openai.__version__.split('.')[0]) < 3, openai.__version__; "
-        "openai.AsyncOpenAI(base_url='http://127.0.0.1:9/v1', api_key='x').with_options(timeout=5.0)",
+        "import art, openai, tvcache\n"
+        "from tvcache.integrations.art import cached_tools, results\n"
+        "assert int(openai.__version__.split('.')[0]) < 3, openai.__version__\n"
+        "openai.AsyncOpenAI(base_url='http://127.0.0.1:9/v1', api_key='x').with_options(timeout=5.0)\n"
+        "class Counter:\n"
+        "    def __init__(self): self.n = 0\n"
+        "    def add(self, k): self.n += k; return str(self.n)\n"
+        "with tvcache.SyncToolCache() as cache:\n"
+        "    for _ in range(2):\n"
+        "        c = cached_tools(Counter(), cache=cache); assert c.add(k=2) == '2' and c.n == 2\n"
+        "    assert results(c)[0].hit\n",
     ),
     "verl": (False, "import cachetools, uvicorn, verl.experimental.agent_loop, tvcache.integrations.verl"),
     "trl": (
