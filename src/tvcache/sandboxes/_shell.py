@@ -53,6 +53,11 @@ __all__ = [
 STATE_FD = 253
 #: Where the sandbox's cgroup.procs files are passed (252, 251, ...), for bash to join before the command runs.
 CGROUP_FD = 252
+#: Where the tracer's pipe is passed (see run_bash's `tracer`); closed by the prelude before the command runs.
+TRACE_FD = 250
+#: Run by a traced shell right before the command: a lookup the tracer records, which tells the shell's own start
+#: (the machinery's reads) from the command's. A path no procfs has; `|| :` keeps `$?` at 0 as without it.
+TRACE_MARK = b"{ test -e /proc/.tvcache-start || :; }; "
 #: Seconds a timed-out command's processes get to die and close their pipes after they are killed.
 _GRACE = 5.0
 #: What the prelude writes to the state pipe once the shell runs inside its cgroups.
@@ -87,6 +92,8 @@ class CommandResult:
     """The shell state after the command (the previous one if the command left none, e.g. after `exec`)."""
     started: bool = True
     """False when the shell never ran the command (the sandbox machinery failed; `output` says why)."""
+    trace: bytes | None = None
+    """What the tracer wrote (see `run_bash`'s `tracer`), or None when not traced or beyond its size limit."""
 
 
 class BoundedOutput:
@@ -148,8 +155,10 @@ def _high_fd(fd: int, at_least: int) -> int:
         os.close(fd)
 
 
-def _prelude(state: ShellState, cgroup_fds: Sequence[int], state_fd: int) -> bytes:
+def _prelude(state: ShellState, cgroup_fds: Sequence[int], state_fd: int, trace_fd: int | None = None) -> bytes:
     lines = []
+    if trace_fd is not None:  # the tracer opened its own descriptor of the pipe; the command never holds one
+        lines.append(f"exec {trace_fd}>&-".encode())
     for fd in cgroup_fds:
         # Join the sandbox's cgroups before anything runs, or do not run at all.
         lines.append(f"{{ echo 0 >&{fd}; }} 2>/dev/null || exit 125; exec {fd}>&-".encode())
@@ -159,13 +168,13 @@ def _prelude(state: ShellState, cgroup_fds: Sequence[int], state_fd: int) -> byt
     return b"\n".join(lines) + b"\n"
 
 
-def state_script(state: ShellState, command: bytes) -> bytes:
+def state_script(state: ShellState, command: bytes, mark: bytes = b"") -> bytes:
     """A script that puts a fresh bash where the last command left it (exports, working directories), then runs
     `command` with the EXIT trap that saves its state to STATE_FD: for any backend that runs commands this way.
 
     The command runs in a bash of its own, exec'd with the state in its environment and the trap on its first line,
     so its line numbers are its own: `cd /nope` fails with "bash: line 1: ..." as under `bash -c`, whatever the
-    prelude's length (which differs between backends)."""
+    prelude's length (which differs between backends). `mark` runs first on the command's line (see `TRACE_MARK`)."""
     lines = []
     if state.exports is not None:
         lines.append(b"{\n" + state.exports + b"\n} 2>/dev/null")
@@ -173,7 +182,7 @@ def state_script(state: ShellState, command: bytes) -> bytes:
     # Put OLDPWD back as it was (the `cd` above just set it); "exported, no value" is how bash starts.
     lines.append(b"OLDPWD=" + bash_quote(state.oldpwd) if state.oldpwd else b"unset OLDPWD; declare -x OLDPWD")
     lines.append(b"unset SHLVL")  # so the command's bash counts itself the first, as under `bash -c`
-    lines.append(b"exec bash --noprofile --norc -c " + bash_quote(_TRAP.encode() + b"; " + command))
+    lines.append(b"exec bash --noprofile --norc -c " + bash_quote(_TRAP.encode() + b"; " + mark + command))
     return b"\n".join(lines) + b"\n"
 
 
@@ -267,6 +276,8 @@ async def run_bash(
     pass_fds: Sequence[int] = (),
     spawn: Callable[..., Awaitable[subprocess.Popen[bytes]]] | None = None,
     kill: Callable[[], None] | None = None,
+    tracer: Callable[[int], Sequence[str]] | None = None,
+    trace_limit: int = 1 << 26,
 ) -> CommandResult:
     """Run `command` as described in the module docstring and return its output, exit code and new state.
 
@@ -276,6 +287,8 @@ async def run_bash(
     seccomp program), which this function closes; `spawn(argv, **popen_kwargs)` starts the process (in the
     sandbox's namespaces), by default a plain Popen. On a timeout the command's PID namespace is torn down (see
     `end_namespace`) and `kill()` (the sandbox's cgroup kill) ends whatever else the command started.
+    `tracer(fd)` is the argv of a tracer that writes to descriptor `fd` and runs the shell after it (see
+    workspace._reads); what it writes, up to `trace_limit` bytes, comes back as the result's `trace`.
     """
     loop = asyncio.get_running_loop()
     script = command.encode(errors="surrogateescape")
@@ -290,9 +303,16 @@ async def run_bash(
         raise
     state_r, state_w = os.pipe()
     state_w = _high_fd(state_w, STATE_FD)
-    script = _prelude(state, cgroup_fds, state_w) + state_script(state, script)
-    argv: list[str | bytes] = [*jail, "bash", "--noprofile", "--norc", "-c", script]
-    fds = (state_w, *cgroup_fds, *pass_fds)
+    trace_r = trace_w = None
+    shell: Sequence[str] = ["bash"]
+    if tracer is not None:
+        trace_r, trace_w = os.pipe()
+        trace_w = _high_fd(trace_w, TRACE_FD)
+        shell = tracer(trace_w)
+    mark = b"" if tracer is None else TRACE_MARK
+    script = _prelude(state, cgroup_fds, state_w, trace_w) + state_script(state, script, mark)
+    argv: list[str | bytes] = [*jail, *shell, "--noprofile", "--norc", "-c", script]
+    fds = (state_w, *cgroup_fds, *pass_fds, *([] if trace_w is None else [trace_w]))
     popen: dict[str, Any] = dict(
         stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w, pass_fds=fds, env=env if state.exports is None else {}
     )
@@ -302,8 +322,8 @@ async def run_bash(
         else:
             proc = await spawn(argv, **popen)
     except BaseException:
-        os.close(out_r)
-        os.close(state_r)
+        for fd in (out_r, state_r, *([] if trace_r is None else [trace_r])):
+            os.close(fd)
         raise
     finally:
         for fd in (out_w, *fds):
@@ -311,6 +331,9 @@ async def run_bash(
     output = BoundedOutput(max_output)
     dump = BoundedOutput(1 << 26)
     readers = [_Reader(loop, out_r, output), _Reader(loop, state_r, dump)]
+    trace = BoundedOutput(trace_limit)
+    if trace_r is not None:
+        readers.append(_Reader(loop, trace_r, trace))
     exited = _wait_exit(loop, proc)
     everything = asyncio.gather(*(r.done for r in readers), exited)
     timed_out = False
@@ -338,4 +361,6 @@ async def run_bash(
         return CommandResult(output.text(), None, True, state, started)
     code = exited.result()
     exit_code = code if code >= 0 else 128 - code
-    return CommandResult(output.text(), exit_code, False, parse_state(dump.head()[len(_STARTED) :], state), started)
+    traced = trace.head() if trace_r is not None and trace.total <= trace_limit else None
+    new_state = parse_state(dump.head()[len(_STARTED) :], state)
+    return CommandResult(output.text(), exit_code, False, new_state, started, traced)

@@ -67,7 +67,7 @@ import hashlib
 import itertools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -78,7 +78,7 @@ from .._layers import listing_digest
 from .._shell import CommandResult, ShellState, run_bash, unfinished
 from ..base import Outcome, SandboxError
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
-from . import _isolation
+from . import _isolation, _reads
 from ._cgroups import Cgroups, SandboxCgroup
 from ._changes import Watcher
 from ._isolation import Snapshot
@@ -214,6 +214,8 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
       tmpfs its upper dirs live on. A call that ends with it full is a failed call.
     - `max_processes`: processes and threads a sandbox may run at once (default 1,024; a cgroup; a refused
       fork is a failed call).
+    - `read_sets`: trace what each call reads and record what it writes (`Outcome.reads`, `Outcome.writes`),
+      for reuse by what a call read; needs strace in the sandbox's root (see _reads). Off by default.
 
     None lifts a limit. Together, all sandboxes on the machine use at most 3/4 of its memory and half its
     process ids (a shared cgroup), so 64 sandboxes at their limits at once leave the host working. A limit
@@ -239,6 +241,7 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         max_processes: int | None = 1024,
         memory: int | None = 2 * GiB,
         disk: int | None = 1 * GiB,
+        read_sets: bool = False,
     ):
         if not (isinstance(timeout, int | float) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -303,6 +306,12 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         self._initial: Snapshot | None = None
         self._setup_lock = asyncio.Lock()
         self._fingerprint: str | None = None
+        self.read_sets = read_sets
+        #: strace and bash inside the sandbox root, found on first use when read_sets is on (None: untraced).
+        self._tracer: tuple[str, str] | None = None
+        self._digest_cache: dict[tuple[int, ...], str] = {}
+        self._base_box: WorkspaceSandbox | None = None
+        self._base_keys: dict[str, str] = {}
 
     @staticmethod
     def _check_tmp(iso: _isolation.Isolation, tmp: Path) -> None:
@@ -323,6 +332,8 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
             h.update(_FINGERPRINT_VERSION.encode())
             options = (sorted(self.env.items()), self.cwd, self.network, self.max_output)
             h.update(repr((*options, self.memory, self.disk, self.max_processes)).encode())
+            if self.read_sets:  # traced commands' children get other PIDs (see _reads)
+                h.update(b"\0read-sets")
             for point, dirs in sorted(self.workspace.items()):
                 h.update(f"\0mount\0{point}\0{listing_digest(dirs)}".encode())
             if self.system == "/":
@@ -380,10 +391,45 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
                     result = await box._run(":")
                     if not result.started or result.exit_code != 0 or result.state.exports is None:
                         raise SandboxError(f"a first command in a new sandbox failed: {result.output.strip()!r}")
+                    if self.read_sets:
+                        self._tracer = await self._probe_tracer(box)
                 finally:
                     await box.close()
                 self._initial = replace(start, state=result.state)
             return self._initial
+
+    async def _probe_tracer(self, box: WorkspaceSandbox) -> tuple[str, str] | None:
+        """strace and bash in the sandbox's root, if a traced command works there; else None, listed in
+        `degraded` and logged once."""
+        found = await asyncio.to_thread(_reads.find_strace, box.root)
+        why = "no strace in the sandbox's root (apt-get install strace)"
+        if found is not None:
+            self._tracer = found
+            result = await box._run(":")
+            trace = _reads.parse_trace(result.trace) if result.trace is not None else None
+            if result.exit_code == 0 and trace is not None and trace.complete:
+                return found
+            why = f"a traced command failed here: {result.output.strip()[-500:]!r}"
+        self.degraded = {**self.degraded, "read_sets": why}
+        _degraded_once("read sets", why)
+        return None
+
+    async def base_digests(self, keys: Collection[str]) -> Mapping[str, str]:
+        """The digests of state keys (see _reads) in the starting state, read from an idle sandbox that never
+        runs a command; cached per factory."""
+        missing = [k for k in keys if k not in self._base_keys]
+        if missing:
+            snap = await self._initial_snapshot()
+            for key in missing:
+                if key == "shell:":
+                    self._base_keys[key] = _reads.shell_digest(snap.state)
+            files = [k for k in missing if k != "shell:"]
+            if files:
+                if self._base_box is None:
+                    self._base_box = await self._open(snap)
+                root, cache = self._base_box.root, self._digest_cache
+                self._base_keys.update(await asyncio.to_thread(_reads.base_digests, files, root, cache))
+        return {k: self._base_keys[k] for k in keys}
 
     async def _open(self, snap: Snapshot) -> WorkspaceSandbox:
         self._check_open()
@@ -408,10 +454,14 @@ def _degraded(cgroups: Cgroups, no_seccomp: str, *, memory: int | None, processe
     if "cpu" in cgroups.missing:
         degraded["cpu"] = cgroups.missing["cpu"]
     for what, why in degraded.items():
-        if (what, why) not in _warned:
-            _warned.add((what, why))
-            log.warning("workspace sandboxes here run without their %s protection: %s", what, why)
+        _degraded_once(f"{what} protection", why)
     return degraded
+
+
+def _degraded_once(what: str, why: str) -> None:
+    if (what, why) not in _warned:
+        _warned.add((what, why))
+        log.warning("workspace sandboxes here run without their %s: %s", what, why)
 
 
 _warned: set[tuple[str, str]] = set()
@@ -428,6 +478,7 @@ class WorkspaceSandbox(ManagedSandbox):
         self._state = state
         self._cgroup: SandboxCgroup | None = None
         self._netns: str | None = None
+        self._uppers: _reads.UpperIndex | None = None
 
     @property
     def root(self) -> str:
@@ -438,6 +489,8 @@ class WorkspaceSandbox(ManagedSandbox):
 
     async def _run(self, command: str) -> CommandResult:
         ctx = self._ctx
+        found = self._factory._tracer
+        tracer = None if found is None else (lambda fd: _reads.strace_argv(*found, fd))
         # Made on first use (about a millisecond each): a fork that only serves file tools never needs them.
         if not ctx.network and self._netns is None:
             self._netns = ctx.mounter.new_netns()
@@ -456,6 +509,7 @@ class WorkspaceSandbox(ManagedSandbox):
             pass_fds=seccomp,
             spawn=lambda argv, **popen: space.spawn(argv, self._netns, **popen),
             kill=self._cgroup.kill if self._cgroup else None,
+            tracer=tracer,
         )
 
     async def execute(self, call: ToolCall) -> Outcome:
@@ -466,6 +520,9 @@ class WorkspaceSandbox(ManagedSandbox):
             state = self._state
             root = self.root
             failure = None
+            trace: bytes | None = None
+            if self._factory.read_sets and self._uppers is None:
+                self._uppers = await asyncio.to_thread(self._index_uppers)
             if tool == "bash":
                 hits = self._cgroup.hits() if self._cgroup else (0, 0)
                 try:
@@ -480,6 +537,7 @@ class WorkspaceSandbox(ManagedSandbox):
                 output: dict[str, Any] = {"output": result.output, "exit_code": result.exit_code}
                 state = result.state
                 failure = self._limit_hit(hits)
+                trace = result.trace
             elif tool == "read_file":
                 output = fast.read_file(root, state.cwd, args["path"], self._ctx.max_output)
             elif tool == "write_file":
@@ -488,11 +546,61 @@ class WorkspaceSandbox(ManagedSandbox):
                 output = fast.list_dir(root, state.cwd, args["path"], self._ctx.max_output)
             if failure is None and tool != "read_file" and tool != "list_dir" and self._fs.full():
                 failure = f"the sandbox's disk quota ({_size(self._ctx.isolation.disk)}) is full"
-            changed = await self._fs.changed() or state != self._state
-            self._state = state
+            files_changed = await self._fs.changed()
+            before, self._state = self._state, state
+            changed = files_changed or state != before
             if failure is not None:
                 return Outcome({**output, "error": failure}, changed, True)
-            return Outcome(output, changed)
+            if not self._factory.read_sets:
+                return Outcome(output, changed)
+            return await self._observed(call, output, changed, files_changed, before, trace)
+
+    async def _observed(
+        self,
+        call: ToolCall,
+        output: dict[str, Any],
+        changed: bool,
+        files_changed: bool,
+        before: ShellState,
+        trace: bytes | None,
+    ) -> Outcome:
+        """The outcome with its read set (see _reads) and, for a state-changing call, its write set."""
+        reads: dict[str, str] | None = None
+        root, cache = self.root, self._factory._digest_cache
+        path = call.args.get("path", "") if isinstance(call.args, dict) else ""
+        if call.tool == "bash" and self._factory._tracer is not None:
+            parsed = None if trace is None else _reads.parse_trace(trace)
+            if parsed is not None and not parsed.complete:
+                # The tracer died before the shell (killed by the command?): traced system calls after its death
+                # failed with ENOSYS, so the output may be unlike an untraced run's; never cache it.
+                why = "the read tracer ended before the command did (was it killed?)"
+                return Outcome({**output, "error": why}, changed, True)
+            if parsed is not None and not files_changed:
+                reads, why = await asyncio.to_thread(_reads.read_set, parsed, root, cache)
+                if why:
+                    log.debug("no read set for %r: %s", call.key[:200], why)
+        elif call.tool in ("read_file", "list_dir") and not files_changed:
+            listing = call.tool == "list_dir"
+            reads = await asyncio.to_thread(_reads.file_tool_reads, root, before.cwd, path, listing, cache)
+        if reads is not None:
+            reads["shell:"] = _reads.shell_digest(before)
+        writes: dict[str, str] | None = {}
+        if files_changed:
+            writes = None if self._uppers is None else await asyncio.to_thread(self._write_set)
+        if writes is not None and self._state != before:
+            writes["shell:"] = _reads.shell_digest(self._state)
+        return Outcome(output, changed, reads=reads, writes=writes if changed else None)
+
+    def _index_uppers(self) -> _reads.UpperIndex | None:
+        fs = self._fs
+        if not isinstance(fs, _isolation.LayeredRoot):
+            return None  # copy isolation: no upper dir to say what changed
+        overlays = [(m.point, fs._upper(k), m.lowers) for k, m in enumerate(self._ctx.isolation.layout.overlays)]
+        return _reads.UpperIndex(overlays, self._ctx.mounter.opaque_xattr)
+
+    def _write_set(self) -> dict[str, str]:
+        assert self._uppers is not None
+        return _reads.write_set(self._uppers.changes(), self.root, self._factory._digest_cache)
 
     def _limit_hit(self, before: tuple[int, int]) -> str | None:
         """Why the command just run is a failure of the sandbox's limits, if it is."""

@@ -1,0 +1,740 @@
+"""Read and write sets of workspace calls: what a call observed of the sandbox's files, and what it changed.
+
+A result can be reused in another state when everything the call read is the same there (two-phase lookup, see
+the cache core). This module says what a workspace call read and wrote, as a map from state keys to digests:
+
+- `path:<p>`: what a read of the object at the canonical path `p` (no symlink in it, no `.` or `..`) could
+  observe: its type, mode, owner, group, size, link count, mtime, symlink target, extended attributes, and the
+  content of a regular file; "" when nothing is there.
+- `list:<d>`: the directory's entry names and types (what `getdents` returns), sorted; "" when no directory.
+- `walk:<d>`: what walking through the directory `d` to something below it depends on: that it is a directory,
+  and its mode, owner and group (search permission). Not its mtime or size, which a walk cannot see: a file
+  created next to `/testbed/src/a.py` does not change what opening `/testbed/src/a.py` finds. Which entry the
+  walk takes is recorded by the next component's own key.
+- `shell:`: the shell state the next command inherits (working directories, exported variables).
+
+**Reads of a bash command** are traced inside the jail with `strace -f --seccomp-bpf` (Debian's strace, found in
+the sandbox's own root): opens, the stat family (fstat of an opened file included), access, readlink, directory
+listings, execve (and the interpreter a script's `#!` line or an ELF file's PT_INTERP names, which the kernel
+reads without a system call), chdir. Failed lookups count: `test -e missing` records `path:<missing>` = "".
+Every traced path is resolved inside the sandbox's root as the kernel did (openat2 with RESOLVE_IN_ROOT on each
+component), recording each symlink passed (`path:` of the link, so a swapped link target invalidates) and each
+directory walked through (`walk:`). The tracer runs with `-D` (as a detached grandchild), so the command's shell
+keeps PID 1 as without tracing; the tracer's two forks shift the PIDs of the command's children by two.
+
+**Soundness first**: the read set is None (the result is reused only by exact history) when the call read
+anything its digests cannot describe: /proc, /sys, /dev other than null, zero, full and tty, a socket
+(connect/bind), statfs; when it wrote anything (the write set's keys are then what changed, and what it read
+of them before is gone); when the trace is incomplete (the tracer lost the shell's exit, the trace was too
+large to keep) or a relative path cannot be placed.
+
+**Write sets** come from the overlay upper dirs, not the trace: every entry whose (type, inode, size, mtime,
+ctime, mode) changed since the last look gets its new `path:` (and `list:`, `walk:` for directories) digest,
+its parent directory's too, and a deleted entry (gone from the upper dir, or hidden by a new whiteout or
+opaque directory) gets "" for itself and everything that was below it. Copy isolation has no upper dir: no
+write sets there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import posixpath
+import re
+import shutil
+import stat
+import struct
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from .._shell import ShellState
+from .._syscalls import RESOLVE_IN_ROOT, openat2
+
+__all__ = [
+    "Digester",
+    "Trace",
+    "UpperIndex",
+    "find_strace",
+    "parse_trace",
+    "shell_digest",
+    "strace_argv",
+]
+
+#: The system calls traced: everything that takes a path, listings, fstat, the working directory, processes
+#: (for the working directory a child inherits), the shell's exit (the trace's completeness), sockets.
+_TRACED = "%file,getdents64,getdents,fchdir,exit_group,clone,clone3,fork,vfork,connect,bind"
+#: Devices and kernel files whose reads are the same in every sandbox: tty (no sandbox has a controlling terminal,
+#: so opening it always fails) and /proc/filesystems (the filesystems this kernel knows, which `ls` reads).
+_PURE = frozenset({"/dev/null", "/dev/zero", "/dev/full", "/dev/tty", "/proc/filesystems"})
+#: Where strace is looked for inside the sandbox's root.
+_STRACE_PATHS = ("/usr/bin/strace", "/bin/strace", "/usr/local/bin/strace")
+_BASH_PATHS = ("/bin/bash", "/usr/bin/bash", "/usr/local/bin/bash")
+_MAX_SYMLINKS = 40
+#: Canonical paths hold no symlink: one found on the way means the path is not there as such.
+_CANONICAL = RESOLVE_IN_ROOT | 0x04  # RESOLVE_NO_SYMLINKS
+_ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+_HASH_CHUNK = 1 << 20
+
+
+def strace_argv(strace: str, bash: str, fd: int) -> list[str]:
+    """The tracer's argv up to the shell's options: strace writing to descriptor `fd`, then `bash`."""
+    return [
+        strace,
+        *("-D", "-f", "--seccomp-bpf", "-qq", "-y", "-xx"),
+        *("-e", "signal=none", "-e", "verbose=connect", "-e", f"trace={_TRACED}"),
+        *("-o", f"/proc/self/fd/{fd}", "--", bash),
+    ]
+
+
+def find_strace(root: str) -> tuple[str, str] | None:
+    """(strace, bash) as paths inside the sandbox root `root` (this process's view of it), or None."""
+
+    def first(paths: Iterable[str]) -> str | None:
+        for path in paths:
+            with contextlib.suppress(OSError):
+                fd = openat2(_open_root(root), path, os.O_PATH)
+                try:
+                    if stat.S_ISREG(os.fstat(fd).st_mode):
+                        return path
+                finally:
+                    os.close(fd)
+        return None
+
+    if shutil.which("strace") is None and first(_STRACE_PATHS) is None:
+        return None
+    strace, bash = first(_STRACE_PATHS), first(_BASH_PATHS)
+    return None if strace is None or bash is None else (strace, bash)
+
+
+def _open_root(root: str) -> int:
+    return os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _hex(text: str) -> str:
+    return bytes.fromhex(text.replace("\\x", "")).decode(errors="surrogateescape")
+
+
+def shell_digest(state: ShellState) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for part in (state.cwd, state.oldpwd, b"\1" if state.exports is None else b"\0" + state.exports):
+        h.update(len(part).to_bytes(8, "little") + part)
+    return h.hexdigest()
+
+
+# -- parsing the trace -----------------------------------------------------------------------------------------
+
+#: A traced path is read by following a final symlink, without following it, by listing it, by running it, or only
+#: walked to (a chdir, and the shell's own start before the command: see below).
+FOLLOW, NOFOLLOW, LIST, EXEC, WALK = "follow", "nofollow", "list", "exec", "walk"
+#: The lookup the traced shell makes right before the command (see _shell.TRACE_MARK).
+MARK = "/proc/.tvcache-start"
+
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+_LINE = re.compile(r"^(\d+) +(.*)$")
+_CALL = re.compile(r"^(\w+)\((.*)\) += (.*)$")
+_RESUMED = re.compile(r"^<\.\.\. (\w+) resumed>(.*)$")
+_STR = re.compile(r'"((?:\\x[0-9a-f]{2})*)"')
+_FD = re.compile(r"^(AT_FDCWD|-?\d+)(?:<((?:\\x[0-9a-f]{2})*)>)?")
+_AT_EMPTY = "AT_EMPTY_PATH"
+_WRITE_FLAGS = ("O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_TMPFILE")
+#: System calls that change what is at a path (their first path argument, and the second one of the pairs).
+_WRITES = _names(
+    "creat mkdir mkdirat rmdir unlink unlinkat rename renameat renameat2 link linkat symlink symlinkat chmod "
+    "fchmodat chown lchown fchownat utime utimes utimensat futimesat setxattr lsetxattr removexattr lremovexattr "
+    "mknod mknodat truncate"
+)
+#: System calls taking (dirfd, path, ...) rather than (path, ...).
+_AT_CALLS = _names(
+    "openat openat2 newfstatat fstatat64 statx faccessat faccessat2 readlinkat execveat mkdirat unlinkat renameat "
+    "renameat2 linkat symlinkat fchmodat fchownat utimensat futimesat mknodat name_to_handle_at"
+)
+_STAT_NOFOLLOW = frozenset({"lstat", "readlink", "readlinkat", "lgetxattr", "llistxattr"})
+_UNSOUND = frozenset({"bind", "name_to_handle_at", "inotify_add_watch", "fanotify_mark"})
+
+
+@dataclass
+class Trace:
+    """What a traced command touched: paths read (with how), paths written, and why the trace cannot be used."""
+
+    reads: dict[str, set[str]] = field(default_factory=dict)
+    written: set[str] = field(default_factory=set)
+    hazard: str | None = None
+    complete: bool = False
+    started: bool = False
+    """Whether the command itself runs (the shell made its mark): before, the reads are the shell's own start."""
+
+    def read(self, path: str, how: str) -> None:
+        if not self.started and how in (FOLLOW, NOFOLLOW):
+            # The shell's start (the prelude's `cd`, bash checking that $PWD is `.`) looks at directories only to
+            # walk into them or compare their device and inode numbers: never at their times or sizes.
+            how = WALK
+        self.reads.setdefault(path, set()).add(how)
+
+    def unsound(self, why: str) -> None:
+        if self.hazard is None:
+            self.hazard = why
+
+
+def _split_args(args: str) -> list[str]:
+    """Top-level comma-separated arguments (strings are hex, so no comma hides in one)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(args):
+        if ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(args[start:i].strip())
+            start = i + 1
+    out.append(args[start:].strip())
+    return out
+
+
+def _string(arg: str) -> str | None:
+    m = _STR.fullmatch(arg)
+    return None if m is None else _hex(m.group(1))
+
+
+def parse_trace(data: bytes) -> Trace:
+    """Parse strace's output (see `strace_argv`) into a Trace. The shell is PID 1 and starts in `/`."""
+    trace = Trace()
+    cwd: dict[int, str] = {1: "/"}
+    pending: dict[int, str] = {}
+    for raw in data.decode(errors="surrogateescape").splitlines():
+        m = _LINE.match(raw)
+        if m is None:
+            if raw.strip():
+                trace.unsound(f"unparsed trace line {raw[:80]!r}")
+            continue
+        pid, rest = int(m.group(1)), m.group(2)
+        if rest.endswith("<unfinished ...>"):
+            pending[pid] = rest[: -len("<unfinished ...>")].rstrip()
+            continue
+        resumed = _RESUMED.match(rest)
+        if resumed is not None:
+            rest = pending.pop(pid, resumed.group(1) + "(") + resumed.group(2)
+        if rest.startswith("+++") or rest.startswith("---"):
+            continue
+        call = _CALL.match(rest)
+        if call is None:
+            if rest.startswith("exit_group(") and pid == 1:
+                trace.complete = True
+                continue
+            if rest.startswith("exit_group("):
+                continue
+            trace.unsound(f"unparsed trace line {raw[:80]!r}")
+            continue
+        _one(trace, cwd, pid, call.group(1), _split_args(call.group(2)), call.group(3))
+    return trace
+
+
+_FD_CALLS = frozenset({"getdents64", "getdents", "fstat", "fchdir"})
+
+
+def _one(trace: Trace, cwd: dict[int, str], pid: int, name: str, args: list[str], result: str) -> None:
+    ok = not result.startswith("-1")
+    if name == "exit_group":
+        trace.complete = trace.complete or pid == 1
+        return
+    if name in ("clone", "clone3", "fork", "vfork"):
+        child = result.split()[0]
+        if ok and child.isdigit():
+            cwd[int(child)] = cwd.get(pid, "")
+        return
+    if name in _UNSOUND:
+        trace.unsound(f"{name} (not described by file digests)")
+        return
+    if name in ("statfs", "statfs64") and ok:
+        trace.unsound("statfs (free space is not described by file digests)")
+        return
+    if name == "connect":
+        # A failed connection to a Unix socket's path (glibc asking for nscd) probes that path; anything else
+        # talks to something outside the files.
+        found = re.search(r'sun_path="((?:\\x[0-9a-f]{2})*)"', args[1] if len(args) > 1 else "")
+        if ok or found is None:
+            trace.unsound("a connection (not described by file digests)")
+        else:
+            trace.read(_hex(found.group(1)), FOLLOW)
+        return
+
+    def fd_path(arg: str) -> str | None:
+        """What a descriptor argument names: a path, "" for a pipe, socket or the like, None if unknown."""
+        m = _FD.match(arg)
+        if m is None:
+            return None
+        if m.group(2) is None:
+            return cwd.get(pid) if m.group(1) == "AT_FDCWD" else None
+        path = _hex(m.group(2))
+        if m.group(1) == "AT_FDCWD":
+            cwd[pid] = path
+        if path.endswith(" (deleted)"):
+            trace.unsound(f"{name} of a deleted file")
+        return path if path.startswith("/") else ""
+
+    path: str | None
+    if name in _FD_CALLS:
+        base, path, rest = (fd_path(args[0]) if args else None), "", []
+    elif name in _AT_CALLS:
+        base = fd_path(args[0]) if args else None
+        path, rest = (_string(args[1]) if len(args) > 1 else None), args[2:]
+    else:
+        base, path, rest = cwd.get(pid), (_string(args[0]) if args else None), args[1:]
+    flags = " ".join(rest)
+    if path is None:
+        trace.unsound(f"{name} with a path the trace does not show: {', '.join(args)[:80]}")
+        return
+    if path == "" and (name in _FD_CALLS or _AT_EMPTY in flags):
+        if name != "getdents64" and name != "getdents" and name != "fchdir":
+            # fstat of an open file: what it sees, the open that made the descriptor recorded already (every open
+            # is traced; the only descriptors not opened by the command are the machinery's pipes and cgroups).
+            return
+        if base == "":
+            return  # the process's own pipe, socket or anonymous file: no file state
+        target = base
+    elif path.startswith("/"):
+        target = path
+    else:
+        target = None if not base else posixpath.join(base, path)
+    if target is None:
+        trace.unsound(f"{name} of {path!r} from a directory the trace does not show")
+        return
+    if pid == 1 and not trace.started and target == MARK:
+        trace.started = True
+        return
+    if name in ("chdir", "fchdir"):
+        trace.read(target, WALK)  # what a chdir depends on: the walk there, and that it ends in a directory
+        if ok:
+            cwd[pid] = posixpath.normpath(target)
+        return
+    if name in ("getdents64", "getdents"):
+        trace.read(target, LIST)
+        return
+    if name in ("execve", "execveat"):
+        trace.read(target, EXEC)
+        return
+    if name == "openat2" and "RESOLVE_" in flags:
+        trace.unsound("openat2 with resolution flags of its own")
+    nofollow = name in _STAT_NOFOLLOW or "AT_SYMLINK_NOFOLLOW" in flags or "O_NOFOLLOW" in flags or name in _WRITES
+    trace.read(target, NOFOLLOW if nofollow else FOLLOW)
+    opened_to_write = name in ("open", "openat", "openat2", "creat") and any(f in flags for f in _WRITE_FLAGS)
+    if ok and (name in _WRITES or opened_to_write):
+        trace.written.add(target)
+
+
+# -- digests -----------------------------------------------------------------------------------------------------
+
+
+def _kind(mode: int) -> str:
+    return stat.filemode(mode)[0]
+
+
+class Digester:
+    """Digests of state keys in one sandbox root (this process's view of it), resolved inside it.
+
+    Content hashes are cached by (device, inode, size, mtime, ctime) across roots of one factory (`cache`): a
+    file of the base is read once per factory, not once per call.
+    """
+
+    def __init__(self, root: str, cache: dict[tuple[int, ...], str]):
+        self.root = root
+        self.cache = cache
+        self._rfd = _open_root(root)
+        self.keys: dict[str, str] = {}
+        self._resolved: dict[tuple[str, bool], str | None] = {}
+
+    def close(self) -> None:
+        os.close(self._rfd)
+
+    def __enter__(self) -> Digester:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # What the kernel would find at a path, recording each step in `keys`.
+
+    def _lstat(self, path: str) -> os.stat_result | None:
+        try:
+            fd = openat2(self._rfd, path, os.O_PATH | os.O_NOFOLLOW, resolve=_CANONICAL)
+        except OSError as exc:
+            if exc.errno in _ABSENT:
+                return None
+            raise
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
+
+    def resolve(self, path: str, follow: bool, walk: bool = False) -> str | None:
+        """Walk `path` (absolute) as the kernel would, in the root; record `walk:` of each directory passed
+        and `path:` of each symlink followed and of the end (`walk`: only `walk:` of the end if a directory);
+        return the canonical path found, or None when the walk stopped (a missing component, a file in the
+        middle, too many symlinks)."""
+        key = (path, follow, walk)
+        if key not in self._resolved:
+            self._resolved[key] = self._resolve(path, follow, walk)
+        return self._resolved[key]
+
+    def _resolve(self, path: str, follow: bool, walk: bool) -> str | None:
+        todo = [p for p in path.split("/") if p]
+        done = "/"
+        links = 0
+        while todo:
+            part = todo.pop(0)
+            if part == ".":
+                continue
+            if part == "..":
+                done = posixpath.dirname(done)
+                continue
+            here = posixpath.join(done, part)
+            st = self._lstat(here)
+            last = not todo
+            if st is None:
+                self.keys[f"path:{here}"] = ""
+                return None
+            if stat.S_ISLNK(st.st_mode) and (follow or not last):
+                self.path(here)
+                links += 1
+                if links > _MAX_SYMLINKS:
+                    return None
+                target = self._readlink(here)
+                todo = [p for p in target.split("/") if p] + todo
+                if target.startswith("/"):
+                    done = "/"
+                continue
+            if last:
+                if walk and stat.S_ISDIR(st.st_mode):
+                    self.keys.setdefault(f"walk:{here}", _walk_digest(st))
+                else:
+                    self.path(here)
+                return here
+            if not stat.S_ISDIR(st.st_mode):
+                self.path(here)  # ENOTDIR: what is there decides it
+                return None
+            self.keys.setdefault(f"walk:{here}", _walk_digest(st))
+            done = here
+        self.keys.setdefault("walk:/", _walk_digest(os.fstat(self._rfd)))
+        if done == "/" and not walk:
+            self.path("/")
+        return done
+
+    def _readlink(self, path: str) -> str:
+        parent, name = posixpath.split(path)
+        dfd = openat2(self._rfd, parent, os.O_PATH | os.O_DIRECTORY, resolve=_CANONICAL)
+        try:
+            return os.fsdecode(os.readlink(name, dir_fd=dfd))
+        finally:
+            os.close(dfd)
+
+    # Digests of one canonical path.
+
+    def path(self, path: str) -> str:
+        key = f"path:{path}"
+        if key not in self.keys:
+            self.keys[key] = self._path_digest(path)
+        return self.keys[key]
+
+    def _path_digest(self, path: str) -> str:
+        try:
+            fd = openat2(self._rfd, path, os.O_PATH | os.O_NOFOLLOW, resolve=_CANONICAL)
+        except OSError as exc:
+            if exc.errno in _ABSENT:
+                return ""
+            raise
+        try:
+            st = os.fstat(fd)
+            h = hashlib.blake2b(digest_size=16)
+            fields = (_kind(st.st_mode), st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_nlink, st.st_mtime_ns)
+            h.update(repr(fields).encode())
+            if stat.S_ISLNK(st.st_mode):
+                h.update(b"\0link\0" + os.fsencode(self._readlink(path)))
+            h.update(b"\0xattr\0" + _xattrs(fd, st))
+            if stat.S_ISREG(st.st_mode):
+                h.update(b"\0content\0" + self._content(fd, st).encode())
+            elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                h.update(b"\0dev\0%d" % st.st_rdev)
+            return h.hexdigest()
+        finally:
+            os.close(fd)
+
+    def _content(self, path_fd: int, st: os.stat_result) -> str:
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        found = self.cache.get(key)
+        if found is None:
+            h = hashlib.blake2b(digest_size=16)
+            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            try:
+                while chunk := os.read(fd, _HASH_CHUNK):
+                    h.update(chunk)
+            finally:
+                os.close(fd)
+            found = self.cache[key] = h.hexdigest()
+        return found
+
+    def listing(self, path: str) -> str:
+        key = f"list:{path}"
+        if key not in self.keys:
+            self.keys[key] = self._list_digest(path)
+        return self.keys[key]
+
+    def _list_digest(self, path: str) -> str:
+        try:
+            fd = openat2(self._rfd, path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, resolve=_CANONICAL)
+        except OSError as exc:
+            if exc.errno in _ABSENT:
+                return ""
+            raise
+        try:
+            with os.scandir(fd) as it:
+                entries = sorted((e.name, _entry_type(e)) for e in it)
+        finally:
+            os.close(fd)
+        h = hashlib.blake2b(digest_size=16)
+        for name, kind in entries:
+            h.update(os.fsencode(name) + b"\0" + kind.encode() + b"\n")
+        return h.hexdigest()
+
+    def walk(self, path: str) -> str:
+        key = f"walk:{path}"
+        if key not in self.keys:
+            st = self._lstat(path)
+            self.keys[key] = "" if st is None or not stat.S_ISDIR(st.st_mode) else _walk_digest(st)
+        return self.keys[key]
+
+    def key(self, key: str) -> str:
+        """The digest of any state key but `shell:`, in this root."""
+        kind, _, path = key.partition(":")
+        if kind == "path":
+            return self.path(path)
+        if kind == "list":
+            return self.listing(path)
+        if kind == "walk":
+            return self.walk(path)
+        raise ValueError(f"not a workspace file key: {key!r}")
+
+    # A traced access.
+
+    def read(self, path: str, how: str) -> None:
+        """Record what reading `path` (absolute, as the process named it) the way `how` depended on."""
+        canonical = self.resolve(path, follow=how != NOFOLLOW, walk=how == WALK)
+        if canonical is None:
+            return
+        if how == LIST:
+            self.listing(canonical)
+        elif how == EXEC:
+            interpreter = self._interpreter(canonical)
+            if interpreter is not None:
+                self.resolve(interpreter, follow=True)
+
+    def _interpreter(self, path: str) -> str | None:
+        """What the kernel reads to run `path` without a system call of the process: a script's `#!`
+        interpreter or an ELF file's PT_INTERP (the dynamic loader)."""
+        try:
+            fd = openat2(self._rfd, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, resolve=_CANONICAL)
+        except OSError:
+            return None
+        try:
+            head = os.pread(fd, 4096, 0)
+            if head.startswith(b"#!"):
+                line = head[2:].split(b"\n", 1)[0].strip()
+                return os.fsdecode(line.split()[0]) if line else None
+            if head[:4] == b"\x7fELF" and head[4] == 2 and head[5] == 1:  # 64-bit little-endian
+                (phoff,) = struct.unpack_from("<Q", head, 0x20)
+                phentsize, phnum = struct.unpack_from("<HH", head, 0x36)
+                for i in range(phnum):
+                    at = phoff + i * phentsize
+                    entry = head[at : at + 56] if at + 56 <= len(head) else os.pread(fd, 56, at)
+                    if len(entry) < 56:
+                        break
+                    kind, _, offset, _, _, size = struct.unpack_from("<IIQQQQ", entry, 0)
+                    if kind == 3:  # PT_INTERP
+                        return os.fsdecode(os.pread(fd, size, offset).rstrip(b"\0"))
+            return None
+        finally:
+            os.close(fd)
+
+
+def _walk_digest(st: os.stat_result) -> str:
+    return f"d{stat.S_IMODE(st.st_mode):o}.{st.st_uid}.{st.st_gid}"
+
+
+def _entry_type(entry: os.DirEntry[str]) -> str:
+    if entry.is_symlink():
+        return "l"
+    if entry.is_dir(follow_symlinks=False):
+        return "d"
+    if entry.is_file(follow_symlinks=False):
+        return "-"
+    return "?"
+
+
+def _xattrs(path_fd: int, st: os.stat_result) -> bytes:
+    """The extended attributes (names and values), sorted; through /proc because an O_PATH descriptor takes none."""
+    proc = f"/proc/self/fd/{path_fd}"
+    try:
+        names = sorted(os.listxattr(proc, follow_symlinks=False))
+    except OSError:
+        return b""
+    out = []
+    for name in names:
+        with contextlib.suppress(OSError):
+            out.append(name.encode() + b"=" + os.getxattr(proc, name, follow_symlinks=False))
+    return b"\0".join(out)
+
+
+def unsound_path(path: str) -> str | None:
+    """Why reading `path` cannot be described by file digests, or None."""
+    norm = posixpath.normpath(path)
+    top = norm.split("/")[1] if norm.count("/") else ""
+    if norm in _PURE:
+        return None
+    if top == "proc":  # /sys is not mounted in the jail: its skeleton directory is part of the state
+        return f"a read of {norm} (kernel state)"
+    if top == "dev" and norm != "/dev":
+        return f"a read of {norm} (a device)"
+    return None
+
+
+def read_set(trace: Trace, root: str, cache: dict[tuple[int, ...], str]) -> tuple[dict[str, str] | None, str]:
+    """The traced command's read set in `root` (after it ran; it wrote nothing), or None and why."""
+    if not trace.complete or not trace.started:
+        return None, "the trace is incomplete"
+    if trace.hazard is not None:
+        return None, trace.hazard
+    for path in trace.written:
+        if posixpath.normpath(path) != "/dev/null":
+            return None, f"it wrote {path}"
+    for path in trace.reads:
+        why = unsound_path(path)
+        if why is not None:
+            return None, why
+    with Digester(root, cache) as digests:
+        for path, hows in trace.reads.items():
+            for how in sorted(hows):
+                digests.read(path, how)
+        return dict(digests.keys), ""
+
+
+# -- write sets from the upper dirs --------------------------------------------------------------------------------
+
+Entry = tuple[int, int, int, int, int, int]
+"""(mode, inode, size, mtime_ns, ctime_ns, rdev) of an upper-dir entry."""
+
+
+class UpperIndex:
+    """The entries of a sandbox's overlay upper dirs, to say which paths a call changed.
+
+    `overlays` are (mount point in the sandbox, this process's path of its upper dir, its lower dirs bottom first).
+    """
+
+    def __init__(self, overlays: list[tuple[str, str, tuple[str, ...]]], opaque_xattr: str):
+        self.overlays = overlays
+        self.opaque_xattr = opaque_xattr
+        self.entries = [self._scan(upper) for _, upper, _ in overlays]
+
+    def _scan(self, upper: str) -> dict[str, Entry]:
+        """{relative path: entry} of everything in `upper`, "" for the upper dir itself (the mount point)."""
+        found: dict[str, Entry] = {}
+
+        def add(rel: str, full: str) -> None:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(full)
+                opaque = stat.S_ISDIR(st.st_mode) and _has_xattr(full, self.opaque_xattr)
+                mode = st.st_mode | (_OPAQUE if opaque else 0)
+                found[rel] = (mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_rdev)
+
+        add("", upper)
+        for dirpath, dirnames, filenames in os.walk(upper):
+            for name in (*dirnames, *filenames):
+                full = os.path.join(dirpath, name)
+                add(os.path.relpath(full, upper), full)
+        return found
+
+    def changes(self) -> Iterator[tuple[str, bool]]:
+        """Rescan; yield (sandbox path, gone) of every entry that changed: gone when it no longer exists there
+        (a whiteout or removed from the upper dir), with everything that was below it."""
+        for k, (point, upper, lowers) in enumerate(self.overlays):
+            before, now = self.entries[k], self._scan(upper)
+            self.entries[k] = now
+            for rel in now.keys() | before.keys():
+                old, new = before.get(rel), now.get(rel)
+                if old == new:
+                    continue
+                path = posixpath.join(point, rel) if rel else point
+                hidden = new is not None and bool(new[0] & _OPAQUE)
+                if new is None or _is_whiteout(new):
+                    yield path, True
+                    for below in _below(lowers, rel):
+                        yield posixpath.join(point, below), True
+                    for prefix in [r for r in before if r.startswith(rel + "/")]:
+                        yield posixpath.join(point, prefix), True
+                    yield posixpath.dirname(path), False
+                else:
+                    yield path, False
+                    if hidden:  # a new opaque directory hides what the lower dirs had below it
+                        for below in _below(lowers, rel):
+                            if below not in now:
+                                yield posixpath.join(point, below), True
+                    if path != "/":
+                        yield posixpath.dirname(path), False
+
+
+_OPAQUE = 1 << 40  # in an Entry's mode: an opaque directory
+
+
+def _is_whiteout(entry: Entry) -> bool:
+    return stat.S_ISCHR(entry[0] & 0xFFFFFFFF) and entry[5] == 0
+
+
+def _has_xattr(path: str, name: str) -> bool:
+    try:
+        return os.getxattr(path, name, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def _below(lowers: tuple[str, ...], rel: str) -> set[str]:
+    """Relative paths under `rel` (itself included) in any of the lower dirs."""
+    found = set()
+    for lower in lowers:
+        top = os.path.join(lower, rel)
+        if not os.path.lexists(top):
+            continue
+        found.add(rel)
+        if os.path.isdir(top) and not os.path.islink(top):
+            for dirpath, dirnames, filenames in os.walk(top):
+                for name in (*dirnames, *filenames):
+                    found.add(os.path.relpath(os.path.join(dirpath, name), lower))
+    return found
+
+
+def write_set(changes: Iterable[tuple[str, bool]], root: str, cache: dict[tuple[int, ...], str]) -> dict[str, str]:
+    """The digests, in `root` after the call, of every key of the paths that changed (see UpperIndex.changes):
+    "" for what is gone."""
+    with Digester(root, cache) as digests:
+        for path, _ in changes:
+            for kind in ("path", "list", "walk"):
+                digests.key(f"{kind}:{path}")
+        return {k: v for k, v in digests.keys.items() if k.split(":", 1)[0] in ("path", "list", "walk")}
+
+
+def file_tool_reads(
+    root: str, cwd: bytes, path: str, listing: bool, cache: dict[tuple[int, ...], str]
+) -> dict[str, str]:
+    """The read set of read_file (`listing` False) or list_dir of `path` (relative to `cwd`)."""
+    raw = os.fsencode(path)
+    full = os.fsdecode(raw if raw.startswith(b"/") else posixpath.join(cwd, raw))
+    with Digester(root, cache) as digests:
+        digests.read(full, LIST if listing else FOLLOW)
+        return dict(digests.keys)
+
+
+def base_digests(keys: Collection[str], root: str, cache: dict[tuple[int, ...], str]) -> Mapping[str, str]:
+    with Digester(root, cache) as digests:
+        return {key: digests.key(key) for key in keys}
