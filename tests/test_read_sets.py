@@ -113,7 +113,8 @@ def test_a_read_records_contents_absent_probes_listings_and_symlinks() -> None:
 @pytest.mark.parametrize(
     "command",
     [
-        "cat /proc/self/status >/dev/null",  # kernel state
+        "cat /proc/loadavg >/dev/null",  # the machine's state
+        "cat /proc/self/root/testbed/a.txt",  # the sandbox's files, through a magic link
         "head -c 4 /dev/urandom | wc -c",  # a device
         "echo hi > /testbed/new; cat /testbed/new",  # a file written and read by the same command
         "mkdir /testbed/dir",  # any write
@@ -128,6 +129,19 @@ def test_hazards_give_no_read_set(command: str) -> None:
                 done = await box.execute(bash(command))
                 assert not done.error, done.output
                 assert done.reads is None
+
+    asyncio.run(main())
+
+
+def test_what_procfs_shows_of_the_commands_own_processes_is_no_hazard() -> None:
+    async def main() -> None:
+        with tree({"a.txt": "A\n"}) as base:
+            async with factory(base) as boxes:
+                box = await boxes.create()
+                done = await box.execute(bash("grep -c . /proc/self/status >/dev/null; cat /testbed/a.txt"))
+                assert done.output == {"output": "A\n", "exit_code": 0}
+                assert done.reads is not None and "path:/testbed/a.txt" in done.reads
+                assert not any(key.startswith(("path:/proc", "list:/proc")) for key in done.reads)
 
     asyncio.run(main())
 

@@ -55,7 +55,7 @@ import tarfile
 import time
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -612,7 +612,7 @@ class _Masked:
         if isinstance(output, dict) and isinstance(output.get("output"), str):
             masked = mask_durations(output["output"])
             if masked != output["output"]:
-                return Outcome({**output, "output": masked}, outcome.changed, outcome.error)
+                return replace(outcome, output={**output, "output": masked})
         return outcome
 
     async def snapshot(self) -> str:

@@ -67,7 +67,7 @@ import hashlib
 import itertools
 import logging
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -311,6 +311,7 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         self._tracer: tuple[str, str] | None = None
         self._digest_cache: dict[tuple[int, ...], str] = {}
         self._base_box: WorkspaceSandbox | None = None
+        self._base_lock = asyncio.Lock()
         self._base_keys: dict[str, str] = {}
 
     @staticmethod
@@ -425,10 +426,11 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
                     self._base_keys[key] = _reads.shell_digest(snap.state)
             files = [k for k in missing if k != "shell:"]
             if files:
-                if self._base_box is None:
-                    self._base_box = await self._open(snap)
-                root, cache = self._base_box.root, self._digest_cache
-                self._base_keys.update(await asyncio.to_thread(_reads.base_digests, files, root, cache))
+                async with self._base_lock:
+                    if self._base_box is None:
+                        self._base_box = await self._open(snap)
+                    root, cache = self._base_box.root, self._digest_cache
+                    self._base_keys.update(await asyncio.to_thread(_reads.base_digests, files, root, cache))
         return {k: self._base_keys[k] for k in keys}
 
     async def _open(self, snap: Snapshot) -> WorkspaceSandbox:
@@ -576,17 +578,17 @@ class WorkspaceSandbox(ManagedSandbox):
                 why = "the read tracer ended before the command did (was it killed?)"
                 return Outcome({**output, "error": why}, changed, True)
             if parsed is not None and not files_changed:
-                reads, why = await asyncio.to_thread(_reads.read_set, parsed, root, cache)
+                reads, why = await _digests(_reads.read_set, parsed, root, cache)
                 if why:
                     log.debug("no read set for %r: %s", call.key[:200], why)
         elif call.tool in ("read_file", "list_dir") and not files_changed:
             listing = call.tool == "list_dir"
-            reads = await asyncio.to_thread(_reads.file_tool_reads, root, before.cwd, path, listing, cache)
+            reads, _ = await _digests(_reads.file_tool_reads, root, before.cwd, path, listing, cache)
         if reads is not None:
             reads["shell:"] = _reads.shell_digest(before)
         writes: dict[str, str] | None = {}
         if files_changed:
-            writes = None if self._uppers is None else await asyncio.to_thread(self._write_set)
+            writes = None if self._uppers is None else (await _digests(self._write_set))[0]
         if writes is not None and self._state != before:
             writes["shell:"] = _reads.shell_digest(self._state)
         return Outcome(output, changed, reads=reads, writes=writes if changed else None)
@@ -639,6 +641,17 @@ class WorkspaceSandbox(ManagedSandbox):
                 self._cgroup.remove()
             if self._netns is not None:
                 self._ctx.mounter.close_netns(self._netns)
+
+
+async def _digests(fn: Callable[..., Any], *args: Any) -> tuple[Any, str]:
+    """`fn(*args)` in a thread: (its result, or its first item if a tuple, and why not), or None when the files
+    could not be read (a read or write set then stays unknown: only exact history for that call)."""
+    try:
+        found = await asyncio.to_thread(fn, *args)
+    except OSError as exc:
+        log.warning("could not digest a workspace call's reads or writes: %s", exc)
+        return None, str(exc)
+    return found if isinstance(found, tuple) else (found, "")
 
 
 def _size(n: int | None) -> str:

@@ -68,6 +68,14 @@ _TRACED = "%file,getdents64,getdents,fchdir,exit_group,clone,clone3,fork,vfork,c
 #: Devices and kernel files whose reads are the same in every sandbox: tty (no sandbox has a controlling terminal,
 #: so opening it always fails) and /proc/filesystems (the filesystems this kernel knows, which `ls` reads).
 _PURE = frozenset({"/dev/null", "/dev/zero", "/dev/full", "/dev/tty", "/proc/filesystems"})
+#: What procfs shows of the command's own processes (its memory map, descriptors, status: what glibc and grep read
+#: for the stack's bounds), and the list of them: nothing of the sandbox's files, only what the processes did
+#: (their reads are traced) and the kernel's random choices (addresses, pipe numbers), which an uncached run
+#: would not repeat either. Every other /proc file shows the machine (load, memory, uptime): not reusable.
+#: Not below `root`, `cwd`, `exe`, `map_files` or a descriptor: those lead back into the sandbox's files.
+_OWN_PROC = re.compile(
+    r"^/proc(/(self|thread-self|\d+)(/task/\d+)?(/(?!(root|cwd|exe|map_files)(/|$))[^/]+(/\d+)?)?)?$"
+)
 #: Where strace is looked for inside the sandbox's root.
 _STRACE_PATHS = ("/usr/bin/strace", "/bin/strace", "/usr/local/bin/strace")
 _BASH_PATHS = ("/bin/bash", "/usr/bin/bash", "/usr/local/bin/bash")
@@ -76,6 +84,8 @@ _MAX_SYMLINKS = 40
 _CANONICAL = RESOLVE_IN_ROOT | 0x04  # RESOLVE_NO_SYMLINKS
 _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _HASH_CHUNK = 1 << 20
+#: Cached path digests per factory before the cache starts over (about 200 bytes each).
+_CACHE_LIMIT = 500_000
 
 
 def strace_argv(strace: str, bash: str, fd: int) -> list[str]:
@@ -142,7 +152,7 @@ _RESUMED = re.compile(r"^<\.\.\. (\w+) resumed>(.*)$")
 _STR = re.compile(r'"((?:\\x[0-9a-f]{2})*)"')
 _FD = re.compile(r"^(AT_FDCWD|-?\d+)(?:<((?:\\x[0-9a-f]{2})*)>)?")
 _AT_EMPTY = "AT_EMPTY_PATH"
-_WRITE_FLAGS = ("O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_TMPFILE")
+_WRITE_FLAGS = ("O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC")
 #: System calls that change what is at a path (their first path argument, and the second one of the pairs).
 _WRITES = _names(
     "creat mkdir mkdirat rmdir unlink unlinkat rename renameat renameat2 link linkat symlink symlinkat chmod "
@@ -182,18 +192,9 @@ class Trace:
 
 
 def _split_args(args: str) -> list[str]:
-    """Top-level comma-separated arguments (strings are hex, so no comma hides in one)."""
-    out, depth, start = [], 0, 0
-    for i, ch in enumerate(args):
-        if ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            out.append(args[start:i].strip())
-            start = i + 1
-    out.append(args[start:].strip())
-    return out
+    """The arguments, split at commas: strings are hex, so no comma hides in one; an array or structure (execve's
+    argv, connect's address) is cut into pieces, but only ever comes after the arguments read here."""
+    return args.split(", ")
 
 
 def _string(arg: str) -> str | None:
@@ -256,7 +257,7 @@ def _one(trace: Trace, cwd: dict[int, str], pid: int, name: str, args: list[str]
     if name == "connect":
         # A failed connection to a Unix socket's path (glibc asking for nscd) probes that path; anything else
         # talks to something outside the files.
-        found = re.search(r'sun_path="((?:\\x[0-9a-f]{2})*)"', args[1] if len(args) > 1 else "")
+        found = re.search(r'sun_path="((?:\\x[0-9a-f]{2})*)"', ", ".join(args))
         if ok or found is None:
             trace.unsound("a connection (not described by file digests)")
         else:
@@ -320,6 +321,11 @@ def _one(trace: Trace, cwd: dict[int, str], pid: int, name: str, args: list[str]
         return
     if name == "openat2" and "RESOLVE_" in flags:
         trace.unsound("openat2 with resolution flags of its own")
+    if "O_TMPFILE" in flags:
+        # An unnamed file of the process's own in the directory (Python's TemporaryFile): the directory is only
+        # walked to, and what the process writes there and reads back is no state of the sandbox's.
+        trace.read(target, WALK)
+        return
     nofollow = name in _STAT_NOFOLLOW or "AT_SYMLINK_NOFOLLOW" in flags or "O_NOFOLLOW" in flags or name in _WRITES
     trace.read(target, NOFOLLOW if nofollow else FOLLOW)
     opened_to_write = name in ("open", "openat", "openat2", "creat") and any(f in flags for f in _WRITE_FLAGS)
@@ -337,16 +343,20 @@ def _kind(mode: int) -> str:
 class Digester:
     """Digests of state keys in one sandbox root (this process's view of it), resolved inside it.
 
-    Content hashes are cached by (device, inode, size, mtime, ctime) across roots of one factory (`cache`): a
-    file of the base is read once per factory, not once per call.
+    A path's digest is cached across the roots of one factory (`cache`) by everything `lstat` says of it, its
+    change time and inode included (any write, chmod or xattr change sets the change time; a symlink is never
+    rewritten in place): a file of the base is read once per factory, not once per call.
     """
 
     def __init__(self, root: str, cache: dict[tuple[int, ...], str]):
         self.root = root
         self.cache = cache
+        if len(cache) > _CACHE_LIMIT:
+            cache.clear()
         self._rfd = _open_root(root)
         self.keys: dict[str, str] = {}
-        self._resolved: dict[tuple[str, bool], str | None] = {}
+        self._resolved: dict[tuple[str, bool, bool], str | None] = {}
+        self._stats: dict[str, os.stat_result | None] = {}
 
     def close(self) -> None:
         os.close(self._rfd)
@@ -360,6 +370,11 @@ class Digester:
     # What the kernel would find at a path, recording each step in `keys`.
 
     def _lstat(self, path: str) -> os.stat_result | None:
+        if path not in self._stats:
+            self._stats[path] = self._lstat_now(path)
+        return self._stats[path]
+
+    def _lstat_now(self, path: str) -> os.stat_result | None:
         try:
             fd = openat2(self._rfd, path, os.O_PATH | os.O_NOFOLLOW, resolve=_CANONICAL)
         except OSError as exc:
@@ -441,6 +456,14 @@ class Digester:
         return self.keys[key]
 
     def _path_digest(self, path: str) -> str:
+        seen = self._lstat(path)
+        if seen is None:
+            return ""
+        fields = (seen.st_mode, seen.st_uid, seen.st_gid, seen.st_size, seen.st_nlink, seen.st_mtime_ns)
+        cached = (seen.st_dev, seen.st_ino, seen.st_ctime_ns, seen.st_rdev, *fields)
+        found = self.cache.get(cached)
+        if found is not None:
+            return found
         try:
             fd = openat2(self._rfd, path, os.O_PATH | os.O_NOFOLLOW, resolve=_CANONICAL)
         except OSError as exc:
@@ -449,9 +472,10 @@ class Digester:
             raise
         try:
             st = os.fstat(fd)
+            if (st.st_dev, st.st_ino, st.st_ctime_ns) != (seen.st_dev, seen.st_ino, seen.st_ctime_ns):
+                raise OSError(errno.EAGAIN, f"{path} changed while it was digested")
             h = hashlib.blake2b(digest_size=16)
-            fields = (_kind(st.st_mode), st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_nlink, st.st_mtime_ns)
-            h.update(repr(fields).encode())
+            h.update(repr((_kind(st.st_mode), *fields)).encode())
             if stat.S_ISLNK(st.st_mode):
                 h.update(b"\0link\0" + os.fsencode(self._readlink(path)))
             h.update(b"\0xattr\0" + _xattrs(fd, st))
@@ -459,23 +483,20 @@ class Digester:
                 h.update(b"\0content\0" + self._content(fd, st).encode())
             elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
                 h.update(b"\0dev\0%d" % st.st_rdev)
-            return h.hexdigest()
+            found = self.cache[cached] = h.hexdigest()
+            return found
         finally:
             os.close(fd)
 
     def _content(self, path_fd: int, st: os.stat_result) -> str:
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        found = self.cache.get(key)
-        if found is None:
-            h = hashlib.blake2b(digest_size=16)
-            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-            try:
-                while chunk := os.read(fd, _HASH_CHUNK):
-                    h.update(chunk)
-            finally:
-                os.close(fd)
-            found = self.cache[key] = h.hexdigest()
-        return found
+        h = hashlib.blake2b(digest_size=16)
+        fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            while chunk := os.read(fd, _HASH_CHUNK):
+                h.update(chunk)
+        finally:
+            os.close(fd)
+        return h.hexdigest()
 
     def listing(self, path: str) -> str:
         key = f"list:{path}"
@@ -592,7 +613,7 @@ def unsound_path(path: str) -> str | None:
     """Why reading `path` cannot be described by file digests, or None."""
     norm = posixpath.normpath(path)
     top = norm.split("/")[1] if norm.count("/") else ""
-    if norm in _PURE:
+    if norm in _PURE or _OWN_PROC.match(norm):
         return None
     if top == "proc":  # /sys is not mounted in the jail: its skeleton directory is part of the state
         return f"a read of {norm} (kernel state)"
@@ -602,7 +623,8 @@ def unsound_path(path: str) -> str | None:
 
 
 def read_set(trace: Trace, root: str, cache: dict[tuple[int, ...], str]) -> tuple[dict[str, str] | None, str]:
-    """The traced command's read set in `root` (after it ran; it wrote nothing), or None and why."""
+    """The traced command's read set in `root` (after it ran; it wrote nothing), or None and why. What procfs
+    showed of the command's own processes is left out (see _OWN_PROC): this process sees another procfs."""
     if not trace.complete or not trace.started:
         return None, "the trace is incomplete"
     if trace.hazard is not None:
@@ -616,6 +638,8 @@ def read_set(trace: Trace, root: str, cache: dict[tuple[int, ...], str]) -> tupl
             return None, why
     with Digester(root, cache) as digests:
         for path, hows in trace.reads.items():
+            if _OWN_PROC.match(posixpath.normpath(path)):
+                continue
             for how in sorted(hows):
                 digests.read(path, how)
         return dict(digests.keys), ""
