@@ -110,6 +110,27 @@ def test_a_read_records_contents_absent_probes_listings_and_symlinks() -> None:
     asyncio.run(main())
 
 
+def test_a_listing_is_in_the_directorys_own_order() -> None:
+    """`ls -f` and `find` print entries in the order getdents returns them (on tmpfs, newest first): the same names
+    in another order are another listing."""
+
+    async def main() -> None:
+        with tree({"a.txt": "A\n"}) as base:
+            async with factory(base) as boxes:
+                first, second = await boxes.create(), await boxes.create()
+                made = await first.execute(bash("mkdir /testbed/n && touch /testbed/n/a /testbed/n/b"))
+                listed = await first.execute(bash("ls -f /testbed/n"))
+                assert made.writes is not None and listed.reads is not None
+                assert listed.reads["list:/testbed/n"] == made.writes["list:/testbed/n"]
+                remade = await second.execute(bash("mkdir /testbed/n && touch /testbed/n/b /testbed/n/a"))
+                again = await second.execute(bash("ls -f /testbed/n"))
+                assert again.output != listed.output  # the same names, in another order
+                assert remade.writes is not None
+                assert remade.writes["list:/testbed/n"] != listed.reads["list:/testbed/n"]
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -221,6 +242,7 @@ def readers(p: str, q: str) -> list[str]:
         f"stat -c '%n %s %a %F %Y' {p}",
         f"test -e {p} && echo yes || echo no",
         f"test -d {p} && find {p} | sort",
+        f"find {p} -maxdepth 1; ls -f {p}",
         f"grep -rn x {p}",
         f"readlink {p}; head -c 3 {q}",
         f"wc -c {p} {q}",
@@ -243,14 +265,18 @@ def writers(p: str, q: str, content: str) -> list[str]:
         f"touch -d @{FIXED_TIME} {p}",
         f"mv {p} {q}",
         f"rm -rf {p} && mkdir -p {p} && printf '{content}' > {p}/a",
+        f"cp -a {p} {p}.new && rm -rf {p} && mv {p}.new {p}",  # the same entry, last in its directory's order
     ]
 
 
 counts = {"checked": 0, "matched": 0, "naive_wrong": 0}
 
 
+Workload = tuple[dict[str, str], dict[str, str], list[str], str, list[str]]
+
+
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[dict[str, str], dict[str, str], str, list[str]]:
+def workloads(draw: st.DrawFn) -> Workload:
     files: dict[str, str] = {}
     for name in draw(st.lists(st.sampled_from(NAMES[:-1]), max_size=6, unique=True)):
         if not any(name.startswith(f + "/") or f.startswith(name + "/") for f in files):
@@ -258,34 +284,43 @@ def workloads(draw: st.DrawFn) -> tuple[dict[str, str], dict[str, str], str, lis
     links = {"l": draw(st.sampled_from(["a", "d", "d/a", "/testbed/b", "nope"]))} if draw(st.booleans()) else {}
     path = st.sampled_from([f"/testbed/{n}" for n in NAMES])
     reader = draw(st.sampled_from(readers(draw(path), draw(path))))
-    steps = draw(
-        st.lists(
-            st.builds(lambda p, q, c, i: writers(p, q, c)[i], path, path, st.sampled_from(CONTENTS), st.integers(0, 8)),
-            min_size=1,
-            max_size=3,
-        )
-    )
-    return files, links, reader, steps
+    step = st.builds(lambda p, q, c, i: writers(p, q, c)[i], path, path, st.sampled_from(CONTENTS), st.integers(0, 9))
+    before = draw(st.lists(step, max_size=2))
+    steps = draw(st.lists(step, min_size=1, max_size=3))
+    return files, links, before, reader, steps
 
 
-def check(files: dict[str, str], links: dict[str, str], reader: str, steps: list[str]) -> None:
+async def run_steps(box: Any, steps: list[str]) -> dict[str, str]:
+    """Run the writing commands; the composed writes of those that changed the state."""
+    written: dict[str, str] = {}
+    for step in steps:
+        done = await box.execute(bash(step))
+        assert not done.error, done.output
+        if done.changed:
+            assert done.writes is not None, step
+            written.update(done.writes)
+    return written
+
+
+def check(files: dict[str, str], links: dict[str, str], before: list[str], reader: str, steps: list[str]) -> None:
+    """S1: the base after `before`, where `reader` runs traced; S2: the base after `steps`."""
+
     async def main() -> None:
         with tree(files, links) as base:
             async with factory(base) as boxes:
-                first = await (await boxes.create()).execute(bash(reader))
+                box1 = await boxes.create()
+                written1 = await run_steps(box1, before)
+                first = await box1.execute(bash(reader))
                 assert not first.error, first.output
                 if first.reads is None:
                     return  # a hazard: exact history only
-                box = await boxes.create()
-                written: dict[str, str] = {}
-                for step in steps:
-                    done = await box.execute(bash(step))
-                    assert not done.error, done.output
-                    if done.changed:
-                        assert done.writes is not None, step
-                        written.update(done.writes)
                 keys = sorted(first.reads)
-                composed = {**await boxes.base_digests(keys), **{k: written[k] for k in keys if k in written}}
+                starting = await boxes.base_digests(keys)
+                # What the command read is what the composed writes say of S1.
+                assert {**starting, **{k: written1[k] for k in keys if k in written1}} == first.reads
+                box = await boxes.create()
+                written = await run_steps(box, steps)
+                composed = {**starting, **{k: written[k] for k in keys if k in written}}
                 assert composed == live(box, keys, boxes), "the composed state is not the live one"
                 again = await box.execute(bash(reader))
                 counts["checked"] += 1
@@ -306,7 +341,7 @@ def test_read_sets_are_complete_and_write_sets_compose() -> None:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
     @given(workloads())
-    def property_holds(workload: tuple[dict[str, str], dict[str, str], str, list[str]]) -> None:
+    def property_holds(workload: Workload) -> None:
         check(*workload)
 
     property_holds()

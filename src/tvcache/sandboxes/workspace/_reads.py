@@ -6,7 +6,7 @@ the cache core). This module says what a workspace call read and wrote, as a map
 - `path:<p>`: what a read of the object at the canonical path `p` (no symlink in it, no `.` or `..`) could
   observe: its type, mode, owner, group, size, link count, mtime, symlink target, extended attributes, and the
   content of a regular file; "" when nothing is there.
-- `list:<d>`: the directory's entry names and types (what `getdents` returns), sorted; "" when no directory.
+- `list:<d>`: the directory's entry names and types in the order `getdents` returns them; "" when no directory.
 - `walk:<d>`: what walking through the directory `d` to something below it depends on: that it is a directory,
   and its mode, owner and group (search permission). Not its mtime or size, which a walk cannot see: a file
   created next to `/testbed/src/a.py` does not change what opening `/testbed/src/a.py` finds. Which entry the
@@ -512,8 +512,8 @@ class Digester:
                 return ""
             raise
         try:
-            with os.scandir(fd) as it:
-                entries = sorted((e.name, _entry_type(e)) for e in it)
+            with os.scandir(fd) as it:  # in the directory's own order, which `find` and `ls -f` print
+                entries = [(e.name, _entry_type(e)) for e in it]
         finally:
             os.close(fd)
         h = hashlib.blake2b(digest_size=16)
