@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -27,6 +28,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tvcache
+from test_oracle import NaiveCache
 from test_workspace import usable
 from tvcache import ToolCall
 from tvcache.sandboxes.workspace import WorkspaceSandboxes, _reads
@@ -348,3 +351,61 @@ def test_read_sets_are_complete_and_write_sets_compose() -> None:
     # Not vacuous: some examples matched (a read-set hit), and the naive cache was wrong on some.
     print(counts)
     assert counts["matched"] > 0 and counts["naive_wrong"] > 0, counts
+
+
+# -- end to end: the cache over workspace sandboxes with read sets ----------------------------------------------
+
+E2E_FILES = {"a": "x", "data/a.txt": "base a\n", "data/b.txt": "base b\n", "src/m.py": "print('m')\n"}
+
+
+def e2e_command(rng: random.Random) -> str:
+    f, g = rng.choice(["a", "b", "data/a.txt", "data/b.txt", "src/m.py", "src/n.py"]), rng.choice(["x", "y"])
+    return rng.choice(
+        [
+            f"echo {g} >> {f}",
+            f"rm -f {f}",
+            f"mkdir -p src && echo 'print(\"{g}\")' > src/n.py",
+            "cd src",
+            "cd /testbed",
+            f"export V={g}",
+            f"cat {f} 2>&1",
+            "cat data/a.txt 2>&1; ls data 2>&1",
+            "python3 src/m.py 2>&1",
+            # Sizes and link counts, not times: a time set during the run differs in the oracle's later run.
+            "stat -c '%n %s %h %a %F' /testbed/data /testbed/data/* 2>&1",
+            "grep -rn base /testbed/data 2>&1; echo $V",
+            "test -e /testbed/b && echo yes || echo no",
+        ]
+    )
+
+
+async def e2e_wrong(cache: Any, boxes: WorkspaceSandboxes, plan: list[list[str]]) -> int:
+    """Run the rollouts one after another through `cache`; count answers unlike the uncached history's."""
+    wrong = 0
+    for commands in plan:
+        async with cache.rollout("t", boxes, tools=tvcache.Tools()) as r:
+            got = [(await r.call("bash", {"command": c})).output for c in commands]
+        oracle = await boxes.create()
+        want = [(await oracle.execute(bash(c))).output for c in commands]
+        await oracle.close()
+        wrong += sum(a != b for a, b in zip(got, want, strict=True))
+    return wrong
+
+
+def test_the_cache_reuses_by_read_sets_and_every_answer_equals_the_uncached_history() -> None:
+    rng = random.Random(24)
+    shared = [e2e_command(rng) for _ in range(3)]
+    plan = [shared[: rng.randrange(4)] + [e2e_command(rng) for _ in range(6)] for _ in range(8)]
+
+    async def main() -> tuple[int, int, dict[str, Any]]:
+        with tree(E2E_FILES) as base:
+            async with factory(base) as boxes:
+                async with tvcache.ToolCache(snapshot_budget=2) as cache:
+                    wrong = await e2e_wrong(cache, boxes, plan)
+                    stats = cache.stats()
+                naive = await e2e_wrong(NaiveCache(), boxes, plan)
+        return wrong, naive, stats
+
+    wrong, naive, stats = asyncio.run(main())
+    assert wrong == 0 and stats["read_set_hits"] > 0, stats
+    assert naive > 0  # the control: the same rollouts through a (tool, args) cache get wrong answers
