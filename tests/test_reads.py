@@ -5,6 +5,7 @@ a store. The sandbox side and the oracle are in test_reads_sqlite.py."""
 from __future__ import annotations
 
 import asyncio
+import re
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -325,3 +326,22 @@ def test_a_store_failure_in_the_second_phase_executes_the_call(db: Path) -> None
     (result,), stats = asyncio.run(main())
     # Every exact miss of the four calls asked for candidates, and went on without them.
     assert (result.source, result.output) == ("executed", "y\nb0") and stats["store_errors"] == 4
+
+
+def test_tvcache_stats_counts_read_set_hits(db: Path, tmp_path: Path) -> None:
+    """The server counts a read-set hit as a hit, not an execution; the clients' own counts are the oracle."""
+    from test_cli_errors import tvcache_command
+
+    async def rollouts(url: str) -> dict[str, Any]:
+        async with SQLiteSandboxes(db) as boxes, tvcache.ToolCache(url) as cache:
+            await two_rollouts(cache, boxes, ["SELECT * FROM b", "SELECT * FROM b"])
+            return dict(cache.stats())
+
+    with Server(tmp_path) as server:
+        client = asyncio.run(rollouts(server.url))
+        result = tvcache_command("stats", server.url, tmp=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = {k.strip(): v for k, v in re.findall(r"^(\s*\S.*?)\s{2,}(\S.*)$", result.stdout, re.M)}
+    assert int(rows["of which by what the call read (read sets)"]) == client["read_set_hits"] == 1
+    assert int(rows["hits"]) == client["hits"] == 2
+    assert int(rows["records (executions)"]) == client["executions"] == 3

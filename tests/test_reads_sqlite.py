@@ -61,24 +61,38 @@ def observe(db: Path, *queries: str) -> list[Outcome]:
 # -- what a statement read and wrote --------------------------------------------------------------------------
 
 
-def test_a_read_names_the_schema_and_the_tables_it_read(db: Path) -> None:
-    join, count, view_made, view, missing = observe(
+def keys(outcome: Outcome, *, written: bool = False) -> set[str]:
+    found = outcome.writes if written else outcome.reads
+    assert found is not None, outcome
+    return set(found)
+
+
+def table(name: str, schema: str = "main") -> set[str]:
+    """What reading a table reads: its rows, its definition, and the temp name that would shadow it."""
+    return {f"table:{schema}.{name}", f"def:{schema}.{name}", f"def:temp.{name}"}
+
+
+def test_a_read_names_the_tables_it_read_and_their_definitions(db: Path) -> None:
+    join, count, view_made, view, missing, constant = observe(
         db,
         "SELECT t0.v, t1.v FROM t0 JOIN t1 USING (k)",
         "SELECT count(*) FROM t0",  # reads no column: SQLite names the table without its schema
         "CREATE VIEW w AS SELECT v FROM t1",
         "SELECT * FROM w",
         "SELECT * FROM nosuch",
+        "SELECT 1 + 1",
     )
-    assert (join.changed, set(join.reads or ())) == (False, {"schema", "table:main.t0", "table:main.t1"})
-    assert set(count.reads or ()) == {"schema", "table:main.t0"}
-    assert view_made.changed and set(view_made.writes or ()) == {"schema"}
-    assert set(view.reads or ()) == {"schema", "table:main.t1", "table:main.w"}  # through the view, to its table
-    assert missing.output == "Error: no such table: nosuch" and set(missing.reads or ()) == {"schema"}
+    assert join.changed is False and keys(join) == table("t0") | table("t1")
+    assert keys(count) == table("t0")
+    assert view_made.changed and keys(view_made, written=True) == {"schema:main", "def:main.w"}
+    assert keys(view) == table("t1") | table("w")  # through the view, to its table
+    # Which name was missing is not reported: an error reads both schemas whole.
+    assert missing.output == "Error: no such table: nosuch" and keys(missing) == {"schema:main", "schema:temp"}
+    assert keys(constant) == set()
     assert join.writes is None and view_made.reads is None
 
 
-def test_a_write_gives_the_tables_it_changed_new_digests_and_reads_see_them(db: Path) -> None:
+def test_a_write_gives_what_it_changed_new_digests_and_reads_see_them(db: Path) -> None:
     before, trigger, insert, after, other = observe(
         db,
         "SELECT * FROM log",
@@ -87,18 +101,34 @@ def test_a_write_gives_the_tables_it_changed_new_digests_and_reads_see_them(db: 
         "SELECT * FROM log",
         "SELECT * FROM t1",
     )
-    assert set(trigger.writes or ()) == {"schema"}
-    assert set(insert.writes or ()) == {"table:main.t0", "table:main.log"}  # the trigger's write too
+    assert keys(trigger, written=True) == {"schema:main", "def:main.t0"}  # a trigger belongs to its table
+    assert keys(insert, written=True) == {"table:main.t0", "table:main.log"}  # the trigger's write too
     assert before.reads and after.reads and other.reads and insert.writes
     assert after.reads["table:main.log"] == insert.writes["table:main.log"] != before.reads["table:main.log"]
-    assert after.reads["schema"] == trigger.writes["schema"] != before.reads["schema"]
+    assert after.reads["def:main.log"] == before.reads["def:main.log"]  # the trigger is t0's, not log's
 
 
 def test_a_failed_write_reads_what_it_would_have_written(db: Path) -> None:
     """A constraint violation changes nothing, and its answer depends on the table it would have written."""
     (dup,) = observe(db, "INSERT INTO t0(k, v) VALUES (1, 'dup')")
     assert dup.output.startswith("Error: UNIQUE constraint failed") and dup.changed is False
-    assert set(dup.reads or ()) == {"schema", "table:main.t0"}
+    assert table("t0") <= keys(dup)
+
+
+def test_temp_objects_are_observed_and_shadow_main_ones(db: Path) -> None:
+    made, read, shadow, count, unshadowed = observe(
+        db,
+        "CREATE TEMP TABLE s AS SELECT v FROM t0",
+        "SELECT * FROM s",
+        "CREATE TEMP VIEW t1 AS SELECT 'temp' AS v",
+        "SELECT count(*) FROM t1",  # names no schema, and a temp object has the name: not observable
+        "SELECT * FROM t0",
+    )
+    assert keys(made, written=True) == {"schema:temp", "def:temp.s", "table:temp.s"}
+    assert keys(read) == {"table:temp.s", "def:temp.s"}
+    assert keys(shadow, written=True) == {"schema:temp", "def:temp.t1"}
+    assert count.output == "count(*)\n       1" and count.reads is None
+    assert unshadowed.reads is not None and "def:temp.t0" in unshadowed.reads
 
 
 def test_the_same_statements_give_the_same_digests_in_any_order_of_unrelated_writes(db: Path) -> None:
@@ -136,6 +166,8 @@ UNOBSERVABLE_READS = [
     "SELECT rootpage FROM sqlite_master",  # page numbers depend on the order of earlier writes
     "SELECT * FROM sqlite_master",
     "SELECT * FROM sqlite_sequence",  # SQLite writes it unannounced
+    "EXPLAIN SELECT * FROM t0",  # its program names root pages
+    "EXPLAIN QUERY PLAN SELECT * FROM t0",
 ]
 
 
@@ -146,14 +178,16 @@ def test_unobservable_reads_are_none(db: Path, query: str) -> None:
 
 
 def test_schema_introspection_reads_the_schema(db: Path) -> None:
-    info, names = observe(db, "PRAGMA table_info(t0)", "SELECT name, sql FROM sqlite_master ORDER BY name")
-    assert set(info.reads or ()) == {"schema"} and set(names.reads or ()) == {"schema"}
+    info, names, index = observe(
+        db, "PRAGMA table_info(t0)", "SELECT name, sql FROM sqlite_master ORDER BY name", "PRAGMA index_info(i)"
+    )
+    assert keys(info) == {"def:main.t0", "def:temp.t0"} and keys(names) == {"schema:main"}
+    assert keys(index) == {"schema:main", "schema:temp"}
 
 
 @pytest.mark.parametrize(
     "write",
     [
-        "CREATE TEMP TABLE tmp AS SELECT * FROM t0",  # connection state: shadows main tables
         "ALTER TABLE t1 ADD COLUMN w TEXT",
         "INSERT INTO t1(v) VALUES (random())",
         "INSERT INTO t1(v) VALUES (datetime('now'))",
@@ -177,11 +211,39 @@ def test_unobservable_writes_lose_track_for_good(db: Path, write: str) -> None:
     assert later.reads is None and restored.reads is None
 
 
-def test_a_temp_table_shadowing_a_main_table_is_not_taken_for_it(db: Path) -> None:
-    """`count(*)` names no schema: after a temp table `t0` exists, it is the temp one, and must not be keyed as
-    the main table."""
-    made, count = observe(db, "CREATE TEMP TABLE t0(k)", "SELECT count(*) FROM t0")
-    assert count.output == "count(*)\n       0" and count.reads is None and made.writes is None
+INSERT = "INSERT INTO t1(v) VALUES ('x')"
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "call"),
+    [
+        (INSERT, "CREATE VIEW w AS SELECT 1", "DROP VIEW IF EXISTS w"),
+        (INSERT, "CREATE INDEX i ON t0(v)", "DROP INDEX IF EXISTS i"),
+        (INSERT, "CREATE TEMP TABLE tt(x)", "DROP TABLE IF EXISTS tt"),
+        ("CREATE INDEX i ON t0(v)", INSERT, "CREATE INDEX IF NOT EXISTS i ON t0(v)"),
+    ],
+)
+def test_ddl_with_nothing_to_do_is_not_reused_where_it_has_something_to_do(
+    db: Path, first: str, second: str, call: str
+) -> None:
+    """The authorizer reports nothing of DDL that finds nothing to do: answered by what it read, the no-op would
+    skip its write in a state where there is something to do (found by the oracle test below)."""
+
+    async def main() -> list[str]:
+        async with SQLiteSandboxes(db) as boxes, tvcache.ToolCache() as cache:
+            sources = []
+            for before in (first, second):  # a no-op after the first, a write after the second
+                async with cache.rollout("t", boxes) as r:
+                    await r.call("sql", {"query": before})
+                    sources.append((await r.call("sql", {"query": call})).source)
+            return sources
+
+    assert asyncio.run(main()) == ["executed", "executed"]
+
+
+def test_ddl_with_nothing_to_do_reads_both_schemas_whole(db: Path) -> None:
+    (noop,) = observe(db, "DROP VIEW IF EXISTS w")
+    assert noop.changed is False and keys(noop) == {"schema:main", "schema:temp"}
 
 
 def test_virtual_tables_in_the_base_make_nothing_observable(tmp_path: Path) -> None:
@@ -227,6 +289,7 @@ READS = [
     "SELECT t0.v, t1.v FROM t0 JOIN t1 USING (k)",
     "SELECT * FROM log",
     "SELECT * FROM w",  # a view: an error until some rollout creates it
+    "SELECT * FROM tv",  # a temp view: the same
     "SELECT * FROM t2",  # a table: the same
     "SELECT name FROM sqlite_master ORDER BY name",
     "PRAGMA table_info(t1)",
@@ -247,7 +310,9 @@ WRITES = [
     "DROP VIEW IF EXISTS w",
     "CREATE TRIGGER IF NOT EXISTS tr AFTER INSERT ON t0 BEGIN INSERT INTO log VALUES (new.v); END",
     "ALTER TABLE t1 ADD COLUMN w TEXT",  # unobservable: exact history from there on
-    "CREATE TEMP TABLE IF NOT EXISTS t1 AS SELECT 'temp' AS v",  # unobservable, and shadows t1
+    "CREATE TEMP TABLE IF NOT EXISTS t1 AS SELECT 'temp' AS v",  # shadows t1
+    "CREATE TEMP VIEW IF NOT EXISTS tv AS SELECT count(*) AS n FROM t0",
+    "INSERT INTO t1(v) VALUES ('into temp or main')",
 ]
 STATEMENTS = READS * 2 + WRITES
 
@@ -262,7 +327,7 @@ async def oracle_run(db: Path, plan: Plan, seed: int, cache: Any) -> int:
 
 
 @settings(
-    max_examples=30,
+    max_examples=60,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],

@@ -85,9 +85,9 @@ class _Claim:
         self.ctx, self.scope_key, self.node, self.digest, self.token = ctx, scope_key, node, digest, token
         self.ended = False
 
-    async def record(self, entry: Entry) -> None:
+    async def record(self, entry: Entry, reused: bool = False) -> None:
         with self.ctx.stats.timing("store"):
-            await self.ctx.store.record(self.scope_key, self.node, self.digest, entry, self.token)
+            await self.ctx.store.record(self.scope_key, self.node, self.digest, entry, self.token, reused=reused)
         self.ended = True
 
     async def release(self) -> None:
@@ -348,7 +348,7 @@ class Rollout:
         except ValueError as exc:
             ctx.store_failed(StoreError(f"a stored candidate of {call.tool!r} does not decode: {exc}"))
             return None
-        await self._record(claim, entry)
+        await self._record(claim, entry, reused=True)
         for stats in (ctx.stats, self.stats):
             stats.hits += 1
             stats.seconds_saved += entry.seconds
@@ -365,14 +365,14 @@ class Rollout:
         except StoreError as exc:
             self._ctx.store_failed(exc, took_effect=True)  # the call ran: its caller gets its result
 
-    async def _record(self, claim: _Claim, entry: Entry) -> None:
+    async def _record(self, claim: _Claim, entry: Entry, reused: bool = False) -> None:
         try:
             if not self._registered:  # once per rollout, and only for rollouts that add to the graph
                 s = self._scope
                 with self._ctx.stats.timing("store"):
                     await self._ctx.store.register(TaskInfo(self._scope_key, s.namespace, s.task, s.fingerprint))
                 self._registered = True
-            await claim.record(entry)
+            await claim.record(entry, reused)
         except StoreError as exc:
             self._ctx.store_failed(exc, took_effect=True)  # the call ran: its caller gets its result
 

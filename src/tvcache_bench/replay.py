@@ -131,12 +131,14 @@ class StrategyRun:
     epochs: int
     calls: int = 0
     hits: int = 0
+    read_set_hits: int = 0  # of `hits`: answered by what the call read (tvcache's second lookup phase)
     errors: int = 0  # answers marked error (sandbox or tool failure, timeout)
     timeouts: int = 0
     failed_rollouts: int = 0  # rollouts ended by an exception
     skipped: int = 0  # calls not issued because their rollout ended early
     compared: int | None = None  # answers checked against the oracle (None: no oracle in this run)
     incorrect_hits: int | None = None
+    incorrect_read_set_hits: int | None = None  # of `incorrect_hits`
     wrong_answers: int | None = None
     nondeterministic: int | None = None  # answers that differed from the oracle's, as did a re-execution
     samples: list[float] = field(default_factory=list)  # per-call seconds, in completion order
@@ -222,6 +224,8 @@ class StrategyRun:
             "hits": self.hits,
             "hit_rate": self.hit_rate,
             "incorrect_hits": self.incorrect_hits,
+            "read_set_hits": self.read_set_hits,
+            "incorrect_read_set_hits": self.incorrect_read_set_hits,
             "wrong_answers": self.wrong_answers,
             "nondeterministic_answers": self.nondeterministic,
             "compared": self.compared,
@@ -412,6 +416,7 @@ class _Engine:
         self.closed = False
         if oracle is not None:
             run.compared = run.incorrect_hits = run.wrong_answers = run.nondeterministic = run.lost = 0
+            run.incorrect_read_set_hits = 0
 
     async def timed_step(self, steps: Sequence[Step], i: int) -> None:
         """Run step `i`, adding its wall time to the run's and the memory it grew by to the run's peak."""
@@ -485,6 +490,7 @@ class _Engine:
             run.epoch_hits[epoch] += 1
             run.tool_hits[tool] = run.tool_hits.get(tool, 0) + 1
             run.hit_samples.append(seconds)
+            run.read_set_hits += result.source == "reads"
         answer = _digest(result.output)
         if self.oracle_out is not None:
             self.oracle_out[(epoch, index, call)] = answer
@@ -496,7 +502,9 @@ class _Engine:
         assert run.compared is not None
         run.compared += 1
         if answer != expected:
-            self.mismatches.append(_Mismatch(epoch, index, call, result.hit, answer, str(result.output)[:200]))
+            self.mismatches.append(
+                _Mismatch(epoch, index, call, result.hit, answer, str(result.output)[:200], result.source == "reads")
+            )
 
     def failed(self, epoch: int, index: int, call: int, why: str) -> None:
         run = self.run_
@@ -527,6 +535,7 @@ class _Mismatch:
     hit: bool
     answer: bytes  # digest of the strategy's answer
     preview: str
+    read_set: bool = False  # a hit by what the call read
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -643,6 +652,8 @@ async def _judge(
             continue
         run.wrong_answers += 1
         run.incorrect_hits += m.hit
+        assert run.incorrect_read_set_hits is not None
+        run.incorrect_read_set_hits += m.read_set
         if len(run.examples) < 8:
             trace = workload.traces[m.index]
             c = trace.calls[m.call]
@@ -653,6 +664,7 @@ async def _judge(
                     "epoch": m.epoch,
                     "call": m.call,
                     "hit": m.hit,
+                    "read_set_hit": m.read_set,
                     "tool": c.tool,
                     "args": str(c.args)[:200],
                     "got": m.preview,

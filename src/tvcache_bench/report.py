@@ -184,6 +184,7 @@ MEANINGS = {
     "paper": f"the policy of the published TVCache system ({PAPER}): a key per exact history of calls, read-only "
     "tools memoized only where annotated, a snapshot after every state-changing call, no single flight",
     "tvcache": "tvcache.ToolCache with its defaults (in memory unless --store)",
+    "exact": "tvcache.ToolCache(read_sets=False): exact history only, no reuse by what a call read",
 }
 
 
@@ -278,6 +279,12 @@ def _footnotes(result: ReplayResult, summary: dict[str, Any]) -> list[str]:
             "mismatches"
         )
     for name, row in strategies.items():
+        if row.get("read_set_hits"):
+            checked = row.get("incorrect_read_set_hits")
+            lines.append(
+                f"{name}: {row['read_set_hits']} of its hits were by what the call read (read sets)"
+                + ("" if checked is None else f", {checked} of them incorrect")
+            )
         wrong, hits = row["wrong_answers"], row["incorrect_hits"]
         if wrong and wrong != hits:
             lines.append(f"{name}: {wrong} wrong answers in all, {wrong - hits} of them executed in a wrong state")

@@ -9,6 +9,7 @@
   the rollout's prefix and replays the calls since. No single flight: concurrent rollouts that miss the
   same call all execute it.
 - `tvcache`: `ToolCache` with its defaults (memory store unless a store URL is given).
+- `exact`: `ToolCache(read_sets=False)`: tvcache on exact history alone, the baseline of reuse by what a call read.
 
 A strategy hands out rollouts (`async with strategy.rollout(task, sandboxes, tools) as r`) whose
 `await r.call(tool, args)` returns a `Result` (output, hit, seconds, source, error), and keeps `stats()`.
@@ -45,7 +46,7 @@ __all__ = [
     "make_strategy",
 ]
 
-STRATEGIES = ("none", "naive", "paper", "tvcache")
+STRATEGIES = ("none", "naive", "paper", "tvcache", "exact")
 
 
 class StrategyRollout(Protocol):
@@ -101,6 +102,8 @@ def make_strategy(name: str, *, store: str | None = None, namespace: str | None 
         return PaperStrategy()
     if name == "tvcache":
         return TvCacheStrategy(store, namespace=namespace)
+    if name == "exact":
+        return ExactStrategy(store, namespace=namespace)
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
 
 
@@ -413,3 +416,12 @@ class TvCacheStrategy(Strategy):
                     with contextlib.suppress(Exception):
                         await factory.delete(record.snapshot_id)
         await self.cache.close()
+
+
+class ExactStrategy(TvCacheStrategy):
+    """tvcache without reuse by what a call read (`read_sets=False`): exact history only."""
+
+    name = "exact"
+
+    def __init__(self, store: str | None = None, *, namespace: str | None = None):
+        super().__init__(store, namespace=namespace, read_sets=False)

@@ -225,50 +225,82 @@ _UNOBSERVABLE_FUNCTIONS = frozenset(
         "load_extension",
     }
 )
-# Introspection pragmas whose answer is a function of the schema alone.
-_SCHEMA_PRAGMAS = frozenset(
-    {"table_info", "table_xinfo", "index_info", "index_list", "index_xinfo", "foreign_key_list"}
-)
-_MASTER = frozenset({"sqlite_master", "sqlite_schema"})
+# Introspection pragmas whose answer is a function of one table's definition (its argument), and the others.
+_TABLE_PRAGMAS = frozenset({"table_info", "table_xinfo", "index_list", "foreign_key_list"})
+_SCHEMA_PRAGMAS = frozenset({"index_info", "index_xinfo"})
+_MASTER = {
+    "main": frozenset({"sqlite_master", "sqlite_schema"}),
+    "temp": _TEMP_MASTER | {"sqlite_master", "sqlite_schema"},
+}
 _ROW_WRITES = frozenset({sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE})
-# DDL that changes the schema only (what it makes is read through the tables it names).
-_SCHEMA_DDL = frozenset(
-    {
-        sqlite3.SQLITE_CREATE_INDEX,
-        sqlite3.SQLITE_CREATE_TRIGGER,
-        sqlite3.SQLITE_CREATE_VIEW,
-        sqlite3.SQLITE_DROP_INDEX,
-        sqlite3.SQLITE_DROP_TRIGGER,
-        sqlite3.SQLITE_DROP_VIEW,
-    }
-)
-_TABLE_DDL = frozenset({sqlite3.SQLITE_CREATE_TABLE, sqlite3.SQLITE_DROP_TABLE})
+# DDL by schema: action -> whether its object has rows (a table), and which argument names the object whose
+# definition changes (an index or trigger belongs to its table's).
+_DDL: dict[int, tuple[str, bool, int]] = {
+    sqlite3.SQLITE_CREATE_TABLE: ("main", True, 1),
+    sqlite3.SQLITE_DROP_TABLE: ("main", True, 1),
+    sqlite3.SQLITE_CREATE_VIEW: ("main", False, 1),
+    sqlite3.SQLITE_DROP_VIEW: ("main", False, 1),
+    sqlite3.SQLITE_CREATE_INDEX: ("main", False, 2),
+    sqlite3.SQLITE_DROP_INDEX: ("main", False, 2),
+    sqlite3.SQLITE_CREATE_TRIGGER: ("main", False, 2),
+    sqlite3.SQLITE_DROP_TRIGGER: ("main", False, 2),
+    sqlite3.SQLITE_CREATE_TEMP_TABLE: ("temp", True, 1),
+    sqlite3.SQLITE_DROP_TEMP_TABLE: ("temp", True, 1),
+    sqlite3.SQLITE_CREATE_TEMP_VIEW: ("temp", False, 1),
+    sqlite3.SQLITE_DROP_TEMP_VIEW: ("temp", False, 1),
+    sqlite3.SQLITE_CREATE_TEMP_INDEX: ("temp", False, 2),
+    sqlite3.SQLITE_DROP_TEMP_INDEX: ("temp", False, 2),
+    sqlite3.SQLITE_CREATE_TEMP_TRIGGER: ("temp", False, 2),
+    sqlite3.SQLITE_DROP_TEMP_TRIGGER: ("temp", False, 2),
+}
 _HARMLESS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_RECURSIVE})
-SCHEMA = "schema"
+# The columns of EXPLAIN and EXPLAIN QUERY PLAN, which the authorizer does not report.
+_EXPLAINED = frozenset(
+    {("addr", "opcode", "p1", "p2", "p3", "p4", "p5", "comment"), ("id", "parent", "notused", "detail")}
+)
+_SCHEMAS = ("main", "temp")
 
 
 class _Seen:
     """What one statement touched, from the authorizer's reports (which include the statements of the triggers
     and views it runs): the state keys it read and wrote, or `opaque`, why it touched what has no key.
 
-    Keys: "table:<schema>.<name>" for a table's rows, "schema" for the schema (every statement reads it: names
-    resolve through it). Opaque: the temp schema (connection state), `sqlite_sequence` and `sqlite_stat*`
-    (SQLite writes them unannounced), a temp or virtual table, the `rootpage` of a schema row (page numbers
-    depend on the order writes happened in), functions of the clock or randomness, pragmas beyond schema
-    introspection, and every action not named here (ALTER TABLE, REINDEX, ANALYZE, ...).
+    Keys, for each schema S (main, or the connection's temp schema, which snapshots carry):
+
+    - "table:S.N": the rows of table N;
+    - "def:S.N": the definition of the table or view N with its indexes and triggers (what names resolve to,
+      what a query plan may use, what a write sets off). Unqualified names look in temp first, so a statement
+      touching main.N also reads "def:temp.N": a temp object of that name made later would be taken instead;
+    - "schema:S": the whole schema, read where a statement's dependence on it cannot be named: an SQL error
+      (which name was missing is not reported), a read of sqlite_master, DDL (it may fail on any name).
+
+    Opaque: `sqlite_sequence` and `sqlite_stat*` (SQLite writes them unannounced), the `rootpage` of a main
+    schema row (page numbers depend on the order writes happened in), functions of the clock or randomness,
+    pragmas beyond introspection, and every action not named here (ALTER TABLE, REINDEX, ANALYZE, virtual
+    tables, ...), and EXPLAIN (its programs name root pages).
+
+    A statement the authorizer reports nothing of is DDL that found nothing to do (`DROP VIEW IF EXISTS v`
+    without v), which would write where v exists: it reads both schemas whole.
     """
 
-    __slots__ = ("opaque", "reads", "writes")
+    __slots__ = ("events", "opaque", "reads", "unqualified", "writes")
 
     def __init__(self) -> None:
-        self.reads: set[str] = {SCHEMA}
+        self.events = 0  # authorizer reports: none at all for DDL that found nothing to do (DROP IF EXISTS)
+        self.reads: set[str] = set()
         self.writes: set[str] = set()
+        self.unqualified: set[str] = set()  # tables named without their schema (see `_table`)
         self.opaque: str | None = None
 
     def touched(self) -> set[str]:
         return self.reads | self.writes
 
+    def failed(self) -> None:
+        """The statement failed: its answer may depend on any name of either schema."""
+        self.reads.update(f"schema:{db}" for db in _SCHEMAS)
+
     def add(self, action: int, arg1: str | None, arg2: str | None, db: str | None) -> None:
+        self.events += 1
         if action == sqlite3.SQLITE_READ:
             self._table(arg1 or "", db, self.reads, column=arg2)
         elif action in _ROW_WRITES:
@@ -277,30 +309,44 @@ class _Seen:
             if (arg2 or "").lower() in _UNOBSERVABLE_FUNCTIONS:
                 self.opaque = f"{arg2}()"
         elif action == sqlite3.SQLITE_PRAGMA:
-            if (arg1 or "").lower() not in _SCHEMA_PRAGMAS:
+            pragma = (arg1 or "").lower()
+            if pragma in _TABLE_PRAGMAS and arg2:
+                self.reads.update(f"def:{schema}.{arg2}" for schema in _SCHEMAS)
+            elif pragma in _SCHEMA_PRAGMAS:
+                self.failed()
+            else:
                 self.opaque = f"PRAGMA {arg1}"
-        elif action in _TABLE_DDL and db == "main":
-            self.writes.update((SCHEMA, f"table:main.{arg1}"))
-        elif action in _SCHEMA_DDL and db == "main":
-            self.writes.add(SCHEMA)
-            if action == sqlite3.SQLITE_CREATE_INDEX:
-                self.reads.add(f"table:main.{arg2}")  # building it reads the table (a UNIQUE one may fail)
+        elif action in _DDL:
+            schema, rows, which = _DDL[action]
+            name = (arg1 if which == 1 else arg2) or ""
+            self.reads.add(f"schema:{schema}")
+            self.writes.update((f"schema:{schema}", f"def:{schema}.{name}"))
+            if rows:
+                self.writes.add(f"table:{schema}.{name}")
+            elif which == 2:
+                self.reads.add(f"table:{schema}.{name}")  # an index is built from its table (UNIQUE may fail)
         elif action not in _HARMLESS:
             self.opaque = f"authorizer action {action}"
 
     def _table(self, name: str, db: str | None, into: set[str], column: str | None = None) -> None:
-        # A table reference that extracts no column (count(*)) comes without its schema: the main one, as a
-        # connection with temp objects has lost track already (see `SQLiteSandbox._observed`).
-        db = db or "main"
-        if name in _MASTER and db == "main":
-            if column == "rootpage":
+        if db is None:
+            # A table reference that extracts no column (count(*)) comes without its schema: main, unless a
+            # temp object has its name (checked after the statement, `SQLiteSandbox._observed`).
+            self.unqualified.add(name)
+            db = "main"
+        if db not in _SCHEMAS:
+            self.opaque = f"table {db}.{name}"
+        elif name in _MASTER[db]:
+            if column == "rootpage" and db == "main":  # temp rootpages read as NULL (see `_authorize`)
                 self.opaque = "the rootpage of a schema row"
             else:
-                into.add(SCHEMA)
-        elif db != "main" or name.startswith("sqlite_"):
+                into.add(f"schema:{db}")
+                self.reads.add(f"schema:{db}")
+        elif name.startswith("sqlite_"):
             self.opaque = f"table {db}.{name}"
         else:
-            into.add(f"table:main.{name}")
+            into.add(f"table:{db}.{name}")
+            self.reads.update((f"def:{db}.{name}", f"def:temp.{name}"))
 
 
 def _observable(path: Path) -> bool:
@@ -568,6 +614,8 @@ class SQLiteSandbox(ManagedSandbox):
             try:
                 cursor.execute(query)
                 output = _ok(cursor.rowcount) if cursor.description is None else format_rows(cursor)
+                if cursor.description is not None and tuple(c[0] for c in cursor.description) in _EXPLAINED:
+                    self._seen.opaque = "EXPLAIN"
             finally:
                 cursor.close()
         except (sqlite3.Error, UnicodeError) as exc:
@@ -580,6 +628,7 @@ class SQLiteSandbox(ManagedSandbox):
                     self._versions = None
                 return Outcome(f"Error: {why}; the query was cancelled", changed=changed, error=True)
             output = f"Error: {exc}"
+            self._seen.failed()
             if self._refused is not None and "authoriz" in str(exc):
                 # SQLite's own message does not say why ("not authorized", "authorization denied").
                 output = f"Error: not authorized ({self._refused})"
@@ -592,6 +641,14 @@ class SQLiteSandbox(ManagedSandbox):
     def _observed(self, query: str, changed: bool) -> tuple[dict[str, str] | None, dict[str, str] | None]:
         """What the statement read (unchanged) or wrote (changed), as digests by key; None where unknown."""
         seen, versions = self._seen, self._versions
+        if seen.unqualified and self._internal_query(
+            "SELECT 1 FROM temp.sqlite_master WHERE type IN ('table', 'view') AND name IN"
+            f" ({', '.join('?' * len(seen.unqualified))})",
+            tuple(seen.unqualified),
+        ):
+            seen.opaque = "a table named without its schema, as a temp one is"
+        if not seen.events:
+            seen.failed()
         if versions is None or seen.opaque or (changed and not seen.writes):
             if changed:
                 self._versions = None  # lost track of the content for good
@@ -649,10 +706,10 @@ class SQLiteSandbox(ManagedSandbox):
         # Bytes 24-27: file change counter; 40-43: schema cookie.
         return self._connection().total_changes, header[24:28] + header[40:44], temp_version
 
-    def _internal_query(self, sql: str) -> list[Any]:
+    def _internal_query(self, sql: str, parameters: tuple[Any, ...] = ()) -> list[Any]:
         self._internal = True
         try:
-            return self._connection().execute(sql).fetchall()
+            return self._connection().execute(sql, parameters).fetchall()
         finally:
             self._internal = False
 

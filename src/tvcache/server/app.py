@@ -179,9 +179,13 @@ class CacheApp(JSONApi):
         return WireEntry.of(entry)
 
     async def _record(self, req: RecordRequest, receive: Receive) -> WireEntry:
-        winner = await self.store.record(req.scope_key, req.node, req.digest, req.entry.entry(), req.token)
+        winner = await self.store.record(
+            req.scope_key, req.node, req.digest, req.entry.entry(), req.token, reused=req.reused
+        )
         self.counters.records += 1
         self.counters.task(req.scope_key).records += 1
+        if req.reused:
+            self.counters.read_set_hit(req.scope_key, winner.seconds)
         return WireEntry.of(winner)
 
     async def _release(self, req: ReleaseRequest, receive: Receive) -> None:

@@ -66,6 +66,7 @@ class Counters(RequestCounters):
         self.releases = 0
         self.waits = 0
         self.waited_hits = 0  # waits that ended with the entry
+        self.read_set_hits = 0  # misses answered by a result recorded in another state that read the same
         self.evictions = 0
         self.seconds_saved = 0.0  # recorded tool seconds of every hit and waited hit
         self.tasks: dict[str, _Task] = {}
@@ -89,6 +90,15 @@ class Counters(RequestCounters):
         self.seconds_saved += seconds
         task.seconds_saved += seconds
 
+    def read_set_hit(self, scope_key: str, seconds: float) -> None:
+        """A miss answered by what the call read (recorded by its client): a hit too."""
+        task = self.task(scope_key)
+        self.read_set_hits += 1
+        self.hits += 1
+        task.hits += 1
+        self.seconds_saved += seconds
+        task.seconds_saved += seconds
+
     def sample(self) -> None:
         hits = self.hits + self.waited_hits
         self._samples.append(
@@ -108,6 +118,7 @@ class Counters(RequestCounters):
             self.evictions,
             self.seconds_saved,
             self.errors,
+            self.read_set_hits,
         )
 
     def reply(self) -> StatsReply:

@@ -53,17 +53,18 @@ def print_stats(url: str, token: str | None = None) -> StatsReply:
     """Print the stats of the server at `url` (token: argument, URL userinfo or TVCACHE_TOKEN)."""
     stats, tasks = fetch_stats(url, token)
     t = stats.totals
-    # One count of hits everywhere: answered from an entry, whether at once or after waiting for a
-    # concurrent execution of the same call; the hit rate is those over all lookups.
+    # One count of hits everywhere: answered from an entry, whether at once, after waiting for a concurrent
+    # execution of the same call, or by what the call read; the hit rate is those over all lookups.
     hits = t.hits + t.waited_hits
     rows = [
         ("uptime", f"{stats.uptime:,.0f} s"),
         ("lookups", f"{t.lookups:,}"),
         ("hits", f"{hits:,}"),
         ("  of which after waiting (single flight)", f"{t.waited_hits:,}"),
+        ("  of which by what the call read (read sets)", f"{t.read_set_hits:,}"),
         ("hit rate (hits / lookups)", f"{hits / t.lookups:.1%}" if t.lookups else "-"),
         ("misses (lookups - hits)", f"{t.lookups - hits:,}"),
-        ("records (executions)", f"{t.records:,}"),
+        ("records (executions)", f"{t.records - t.read_set_hits:,}"),
         ("released claims (failed executions)", f"{t.releases:,}"),
         ("waits", f"{t.waits:,}"),
         ("evictions", f"{t.evictions:,}"),

@@ -91,8 +91,11 @@ class Store(Protocol):
         """Block until the entry is recorded (return it) or its claim is released or expires (None)."""
         ...
 
-    async def record(self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
-        """Store `entry` unless one exists (first writer wins), release our claim, and return the winner."""
+    async def record(
+        self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None, *, reused: bool = False
+    ) -> Entry:
+        """Store `entry` unless one exists (first writer wins), release our claim, and return the winner. `reused`:
+        the entry is a result reused by what the call read (`tvcache.reads`), which a server counts as a hit."""
         ...
 
     async def release(self, scope_key: str, node: bytes, digest: bytes, token: str) -> None:

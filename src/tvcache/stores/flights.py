@@ -96,7 +96,9 @@ class EmbeddedEntries:
         await self._flights.wait(node + digest, timeout)
         return await self._get(scope_key, node, digest, False)
 
-    async def record(self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
+    async def record(
+        self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None, *, reused: bool = False
+    ) -> Entry:
         winner = await self._put(scope_key, node, digest, entry)
         self._flights.finish(node + digest, None)  # any entry ends the flight, whoever claimed it
         return winner

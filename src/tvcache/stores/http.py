@@ -104,8 +104,10 @@ class HTTPStore:
         found: WireEntry | None = await self._call("wait", request, WireEntry | None, wait=timeout)
         return found.entry() if found is not None else None
 
-    async def record(self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
-        request = RecordRequest(scope_key, node, digest, WireEntry.of(entry), token)
+    async def record(
+        self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None, *, reused: bool = False
+    ) -> Entry:
+        request = RecordRequest(scope_key, node, digest, WireEntry.of(entry), token, reused)
         return (await self._call("record", request, WireEntry)).entry()
 
     async def release(self, scope_key: str, node: bytes, digest: bytes, token: str) -> None:

@@ -323,7 +323,9 @@ class RedisStore:
             # anew, and a spurious wake-up (a stale element) costs one round trip.
             await self._block(wake, min(left, found / 1000 + 0.002))
 
-    async def record(self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None) -> Entry:
+    async def record(
+        self, scope_key: str, node: bytes, digest: bytes, entry: Entry, token: str | None, *, reused: bool = False
+    ) -> Entry:
         keys = self._scope(scope_key)
         field = node + digest
         name = field.hex()

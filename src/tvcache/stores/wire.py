@@ -138,6 +138,7 @@ class RecordRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     digest: Digest
     entry: WireEntry
     token: Token | None = None
+    reused: Annotated[bool, msgspec.Meta(description="a result reused by what the call read: a read-set hit")] = False
 
 
 class AddCandidateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -220,7 +221,8 @@ class LookupReply(msgspec.Struct, frozen=True, omit_defaults=True):
 class Totals(msgspec.Struct, frozen=True):
     """A server's counts since it started. `hits` are lookups answered from an entry at once; `waited_hits`
     waits that ended with the entry another client recorded (also answers without executing); `misses` are
-    lookups that found no entry, including those that then waited."""
+    lookups that found no entry, including those that then waited. `read_set_hits` are misses then answered by a
+    result recorded in another state that read the same (counted in `hits` too)."""
 
     lookups: int
     hits: int
@@ -233,6 +235,7 @@ class Totals(msgspec.Struct, frozen=True):
     evictions: int
     seconds_saved: float
     errors: int
+    read_set_hits: int = 0
 
 
 class TaskTotals(msgspec.Struct, frozen=True):
