@@ -111,6 +111,18 @@ def test_bench_sandbox_with_a_missing_base(tmp_path: Path) -> None:
     assert line == "tvcache bench overhead: error: --base applies to the sandbox workload only"
 
 
+def test_bench_server_with_a_folder_that_is_not_the_published_system(tmp_path: Path) -> None:
+    line = one_line_error(tvcache_command("bench", "server", "--published", str(tmp_path), tmp=tmp_path))
+    assert line == (
+        f"tvcache bench server: error: --published: {tmp_path} holds no tvcache/server/tvcache_server.py: name a "
+        "checkout of the published system's repository (git clone https://github.com/TVCache/TVCache)"
+    )
+    env = {"TVCACHE_PUBLISHED_SERVER": str(tmp_path)}
+    assert one_line_error(tvcache_command("bench", "server", env=env, tmp=tmp_path)) == line
+    line = one_line_error(tvcache_command("bench", "redis", "--published", str(tmp_path), tmp=tmp_path))
+    assert line == "tvcache bench redis: error: --published applies to the server workload only"
+
+
 def test_serve_without_a_token_on_a_non_loopback_address(tmp_path: Path) -> None:
     port = free_port()
     result = tvcache_command("serve", "--host", "0.0.0.0", "--port", str(port), tmp=tmp_path)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -66,6 +67,12 @@ def add_commands(subparsers: Any) -> None:
     bench.add_argument("workload", choices=list(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
     bench.add_argument("--json", metavar="OUT", help="also write the figures as JSON to OUT")
     bench.add_argument("--base", help="(sandbox) the base directory to measure; default: a generated 300 MB tree")
+    bench.add_argument(
+        "--published",
+        metavar="DIR",
+        help="(server) a checkout of the published system (github.com/TVCache/TVCache) whose server to measure "
+        "side by side; default: $TVCACHE_PUBLISHED_SERVER, else tvcache's alone",
+    )
     add_bench_options(bench)
     p = subparsers.add_parser(
         "replay",
@@ -169,6 +176,15 @@ def _check(args: argparse.Namespace, command: str) -> None:
             _bench_options(args, workload)
         if args.base is not None and workload != "sandbox":
             _fail(command, "--base applies to the sandbox workload only")
+        if args.published is not None and workload != "server":
+            _fail(command, "--published applies to the server workload only")
+        if workload == "server" and _published(args) is not None:
+            from .micro.server import published_script
+
+            try:
+                published_script(_published(args) or "")
+            except ValueError as exc:
+                _fail(command, f"--published: {exc}")
         if workload == "sandbox" and args.base is not None and not Path(args.base).is_dir():
             _fail(command, f"--base {args.base} is not a directory: name the tree to measure, or leave --base out")
         if workload in ("quick", "sql", "swe", "airline"):
@@ -216,6 +232,14 @@ def _check(args: argparse.Namespace, command: str) -> None:
         asyncio.run(opened.close())
 
 
+def _published(args: argparse.Namespace) -> str | None:
+    """The checkout of the published system whose server `bench server` measures too: --published, else the
+    environment's TVCACHE_PUBLISHED_SERVER."""
+    from .micro.server import PUBLISHED_ENV
+
+    return args.published or os.environ.get(PUBLISHED_ENV) or None
+
+
 def _workspace_sandboxes(args: argparse.Namespace) -> bool:
     """Does the command run workspace sandboxes (which need bubblewrap)?"""
     if args.command == "replay":
@@ -258,7 +282,7 @@ def _bench(args: argparse.Namespace) -> Any:
     if workload == "server":
         from .micro import server
 
-        return server.run()
+        return server.run(published=_published(args))
     if workload == "redis":
         from .micro import redis
 

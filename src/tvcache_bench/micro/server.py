@@ -12,6 +12,15 @@ other core, so the two do not compete for a CPU. Every lookup is a hit on one of
 Closed loop: N clients each send a lookup as soon as the previous one is answered. Open loop: lookups are
 sent at a fixed rate whatever the answers do (the published system's operating point is 256 requests/s),
 and latency counts from when each was due, so a stalled server cannot hide its queue.
+
+Side by side with the published server: `--published DIR` (or `TVCACHE_PUBLISHED_SERVER=DIR`) names a checkout of
+the published system's repository (github.com/TVCache/TVCache; DIR may be its root or its `tvcache/server`
+folder). Its server (`tvcache_server.py`: Flask's threaded server over its prefix trees, started as its README
+says, `python tvcache_server.py`, bound to 127.0.0.1) then runs in the same place under the same raw load, in
+the same run: the same 1,000 entries with 200-byte values (stored with its `PUT /put`), looked up one exact
+history each (`GET /get`). It closes the connection after every answer, so the raw client opens a new one per
+lookup there, as its own client (`requests`) does. Nothing of it is copied into tvcache: it runs from the
+checkout, with Flask from the environment.
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ import os
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Any, cast
 
 import msgspec
@@ -42,8 +53,30 @@ CONCURRENCY = (1, 8, 32)
 PAPER_RATE = 256.0
 
 
+PUBLISHED_ENV = "TVCACHE_PUBLISHED_SERVER"
+PUBLISHED_TASK = "bench"
+
+
 def _digest(i: int) -> bytes:
     return i.to_bytes(16, "big")
+
+
+def _published_call(i: int) -> str:
+    """A tool call as the published client keys it: one string per call of the history."""
+    return json.dumps({"name": "bash", "arguments": {"command": f"cat file{i}.txt"}}, separators=(",", ":"))
+
+
+def published_script(path: str | os.PathLike[str]) -> Path:
+    """The published server's `tvcache_server.py` in a checkout of its repository; `ValueError` saying what was
+    expected otherwise."""
+    root = Path(path).expanduser()
+    for candidate in (root / "tvcache" / "server" / "tvcache_server.py", root / "tvcache_server.py"):
+        if candidate.is_file():
+            return candidate
+    raise ValueError(
+        f"{root} holds no tvcache/server/tvcache_server.py: name a checkout of the published system's repository "
+        "(git clone https://github.com/TVCache/TVCache)"
+    )
 
 
 # -- the load process --------------------------------------------------------------------------------------
@@ -59,12 +92,17 @@ class _Connection(asyncio.Protocol):
         self._done: asyncio.Future[int] | None = None
         self._size = 0
         self.transport: asyncio.Transport | None = None
+        self.reusable = True  # False once the server said it closes the connection after its answer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
 
     def data_received(self, data: bytes) -> None:
         self._parser.feed_data(data)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"connection" and value.lower() == b"close":
+            self.reusable = False
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
@@ -87,8 +125,13 @@ class _Connection(asyncio.Protocol):
         return bool(await self._done)
 
 
-def _payloads(host: str, port: int) -> list[bytes]:
+def _payloads(host: str, port: int, target: str = "tvcache") -> list[bytes]:
     out = []
+    if target == "published":
+        for i in range(ENTRIES):
+            query = urllib.parse.urlencode({"task_name": PUBLISHED_TASK, "tool_calls": _published_call(i)})
+            out.append(f"GET /get?{query} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+        return out
     for i in range(ENTRIES):
         body = msgspec.json.encode({"scope_key": SCOPE, "node": NODE, "digest": _digest(i)})
         head = (
@@ -120,18 +163,29 @@ class _Recorder:
         }
 
 
-async def _raw_closed(host: str, port: int, clients: int, seconds: float) -> dict[str, float]:
-    loop = asyncio.get_running_loop()
-    payloads = _payloads(host, port)
+async def _connect(host: str, port: int) -> _Connection:
+    return (await asyncio.get_running_loop().create_connection(_Connection, host, port))[1]
+
+
+async def _reconnect(old: _Connection, host: str, port: int) -> _Connection:
+    if old.transport is not None:
+        old.transport.close()
+    return await _connect(host, port)
+
+
+async def _raw_closed(host: str, port: int, clients: int, seconds: float, target: str) -> dict[str, float]:
+    payloads = _payloads(host, port, target)
     rec = _Recorder()
-    conns = [(await loop.create_connection(_Connection, host, port))[1] for _ in range(clients)]
+    conns = [await _connect(host, port) for _ in range(clients)]
     stop = time.perf_counter() + seconds
 
-    async def client(conn: _Connection, offset: int) -> None:
+    async def client(k: int, offset: int) -> None:
         i = offset
         while time.perf_counter() < stop:
             t0 = time.perf_counter()
-            ok = await conn.send(payloads[i % ENTRIES])
+            if not conns[k].reusable:  # a server that closes after each answer: a new connection, timed
+                conns[k] = await _reconnect(conns[k], host, port)
+            ok = await conns[k].send(payloads[i % ENTRIES])
             if ok:
                 rec.latencies.append(time.perf_counter() - t0)
             else:
@@ -139,7 +193,7 @@ async def _raw_closed(host: str, port: int, clients: int, seconds: float) -> dic
             i += 1
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(client(c, k * 31) for k, c in enumerate(conns)))
+    await asyncio.gather(*(client(k, k * 31) for k in range(clients)))
     elapsed = time.perf_counter() - t0
     for c in conns:
         assert c.transport is not None
@@ -174,23 +228,27 @@ async def _store_closed(url: str, clients: int, seconds: float) -> dict[str, flo
     return rec.summary(elapsed)
 
 
-async def _open_loop(url: str, host: str, port: int, client: str, rate: float, seconds: float) -> dict[str, float]:
+async def _open_loop(
+    url: str, host: str, port: int, client: str, rate: float, seconds: float, target: str
+) -> dict[str, float]:
     """Send at `rate` per second on schedule; latency counts from each request's due time."""
     from tvcache.graph import Entry
     from tvcache.stores.http import HTTPStore
 
-    loop = asyncio.get_running_loop()
     rec = _Recorder()
-    payloads = _payloads(host, port)
+    payloads = _payloads(host, port, target)
     idle: asyncio.Queue[_Connection] = asyncio.Queue()
     for _ in range(8):
-        idle.put_nowait((await loop.create_connection(_Connection, host, port))[1])
+        idle.put_nowait(await _connect(host, port))
     store = HTTPStore(url)
-    await store.lookup(SCOPE, NODE, _digest(0))
+    if client != "raw":
+        await store.lookup(SCOPE, NODE, _digest(0))
 
     async def one(i: int, due: float) -> None:
         if client == "raw":
             conn = await idle.get()  # a request that finds every connection busy queues, and that counts
+            if not conn.reusable:
+                conn = await _reconnect(conn, host, port)
             ok = await conn.send(payloads[i % ENTRIES])
             idle.put_nowait(conn)
         else:
@@ -223,12 +281,13 @@ def _load_main(argv: list[str]) -> None:
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--rate", type=float, default=0.0)
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--target", choices=["tvcache", "published"], default="tvcache")
     args = parser.parse_args(argv)
     host, port = args.url.removeprefix("http://").split(":")
     if args.rate:
-        coro = _open_loop(args.url, host, int(port), args.client, args.rate, args.seconds)
+        coro = _open_loop(args.url, host, int(port), args.client, args.rate, args.seconds, args.target)
     elif args.client == "raw":
-        coro = _raw_closed(host, int(port), args.clients, args.seconds)
+        coro = _raw_closed(host, int(port), args.clients, args.seconds, args.target)
     else:
         coro = _store_closed(args.url, args.clients, args.seconds)
     print(json.dumps(uvloop.run(coro)))
@@ -237,16 +296,24 @@ def _load_main(argv: list[str]) -> None:
 # -- the benchmark -----------------------------------------------------------------------------------------
 
 
-def _start_server(port: int, floor: bool = False) -> subprocess.Popen[bytes]:
+def _start_server(port: int, floor: bool = False, published: Path | None = None) -> subprocess.Popen[bytes]:
+    """tvcache's server, the uvicorn floor or the published server (its script), pinned to core 0, once it answers."""
     command = ["-m", "tvcache.server", "serve", "--port", str(port), "--log-level", "warning"]
+    health, cwd, env = f"http://127.0.0.1:{port}/healthz", None, None
     if floor:
         command = ["-m", "tvcache_bench.micro.server", "floor", str(port)]
-    proc = subprocess.Popen([sys.executable, *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if published is not None:  # from its own folder, so that `import tvcache` there is its package, not ours
+        command = [published.name, "--host", "127.0.0.1", "--port", str(port)]
+        health = f"http://127.0.0.1:{port}/get?task_name={PUBLISHED_TASK}"
+        cwd, env = published.parent, {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen(
+        [sys.executable, *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd, env=env
+    )
     pin(proc.pid, 0)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
+            with urllib.request.urlopen(health, timeout=1):
                 return proc
         except OSError:
             if proc.poll() is not None:
@@ -254,6 +321,19 @@ def _start_server(port: int, floor: bool = False) -> subprocess.Popen[bytes]:
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError("the server did not start within 30 s")
+
+
+def _populate_published(url: str) -> None:
+    """The same 1,000 entries in the published server: one history of one call each, a 200-byte value."""
+    for i in range(ENTRIES):
+        body: dict[str, Any] = {"task_name": PUBLISHED_TASK, "history": [_published_call(i)], "env_id": None}
+        body |= {"values": [OUTPUT.decode()], "tool_exec_times": [1.0]}
+        request = urllib.request.Request(
+            f"{url}/put", json.dumps(body).encode(), {"Content-Type": "application/json"}, method="PUT"
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            if not json.loads(response.read()).get("success"):
+                raise RuntimeError(f"the published server did not store entry {i}")
 
 
 async def _populate(url: str) -> None:
@@ -329,10 +409,14 @@ def _best(server: subprocess.Popen[bytes], url: str, repeat: int, *args: str) ->
     return max(runs, key=lambda r: r["per_second"])
 
 
-def run(seconds: float = 2.0, repeat: int = 3, console: Console | None = None) -> dict[str, Any]:
-    """Measure and print the table; returns the figures. 9 rows, each the best of `repeat` runs of `seconds`."""
+def run(
+    seconds: float = 2.0, repeat: int = 3, console: Console | None = None, published: str | None = None
+) -> dict[str, Any]:
+    """Measure and print the table; returns the figures. 9 rows (4 more with `published`, a checkout of the
+    published system: see the module docstring), each the best of `repeat` runs of `seconds`."""
     console = console or Console()
     rows: list[dict[str, Any]] = []
+    script = published_script(published) if published else None
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = _start_server(port)
@@ -349,6 +433,8 @@ def run(seconds: float = 2.0, repeat: int = 3, console: Console | None = None) -
     finally:
         server.terminate()
         server.wait(10)
+    if script is not None:
+        rows += _published_rows(script, seconds, repeat)
     port = free_port()
     floor = _start_server(port, floor=True)
     try:
@@ -376,6 +462,9 @@ def run(seconds: float = 2.0, repeat: int = 3, console: Console | None = None) -
             f"{row['failed']:.0f}",
         )
     console.print(table)
+    ratio = _ratio(rows)
+    if ratio is not None:
+        console.print(f"tvcache / published at 32 clients (raw, same run): {ratio:.1f}x")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     console.print(
         "raw: a minimal HTTP/1.1 load generator (the server's capacity); HTTPStore: the client rollouts use.\n"
@@ -383,7 +472,35 @@ def run(seconds: float = 2.0, repeat: int = 3, console: Console | None = None) -
         "uvicorn floor: a trivial ASGI app answering the same bytes, the most any app on uvicorn can do.\n"
         f"{os.cpu_count()} CPUs; 1-minute load average at the end: {load:.2f} (other work slows every row)"
     )
-    return {"rows": rows, "seconds": seconds, "repeat": repeat, "cpus": os.cpu_count(), "loadavg": load}
+    figures = {"rows": rows, "seconds": seconds, "repeat": repeat, "cpus": os.cpu_count(), "loadavg": load}
+    return figures | ({"published": str(script), "ratio_32_clients": ratio} if script is not None else {})
+
+
+def _published_rows(script: Path, seconds: float, repeat: int) -> list[dict[str, Any]]:
+    """The published server under the raw load: 1, 8 and 32 clients, and its operating point."""
+    rows = []
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = _start_server(port, published=script)
+    try:
+        _populate_published(url)
+        target = ("--client", "raw", "--target", "published", "--seconds", str(seconds))
+        for clients in CONCURRENCY:
+            result = _best(server, url, repeat, *target, "--clients", str(clients))
+            rows.append({"server": "published", "client": "raw", "load": f"{clients} clients", **result})
+        result = _best(server, url, repeat, *target, "--rate", str(PAPER_RATE))
+        rows.append({"server": "published", "client": "raw", "load": f"{PAPER_RATE:.0f}/s open", **result})
+    finally:
+        server.terminate()
+        server.wait(10)
+    return rows
+
+
+def _ratio(rows: list[dict[str, Any]]) -> float | None:
+    """tvcache's raw lookups/s at 32 clients over the published server's, when both ran."""
+    pick = {(r["server"], r["client"], r["load"]): r["per_second"] for r in rows}
+    ours, theirs = pick.get(("tvcache", "raw", "32 clients")), pick.get(("published", "raw", "32 clients"))
+    return ours / theirs if ours and theirs else None
 
 
 if __name__ == "__main__":
@@ -392,4 +509,4 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["floor"]:
         _floor_main(int(sys.argv[2]))
     else:
-        run()
+        run(published=os.environ.get(PUBLISHED_ENV))
