@@ -462,9 +462,12 @@ def run(
             f"{row['failed']:.0f}",
         )
     console.print(table)
-    ratio = _ratio(rows)
-    if ratio is not None:
-        console.print(f"tvcache / published at 32 clients (raw, same run): {ratio:.1f}x")
+    ratio, cpu_ratio = _ratio(rows, "per_second"), _ratio(rows, "server_cpu_us")
+    if ratio is not None and cpu_ratio is not None:
+        console.print(
+            f"tvcache / published at 32 clients (raw, same run): {ratio:.1f}x the lookups/s, {1 / cpu_ratio:.1f}x less "
+            "server CPU per lookup"
+        )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     console.print(
         "raw: a minimal HTTP/1.1 load generator (the server's capacity); HTTPStore: the client rollouts use.\n"
@@ -473,7 +476,9 @@ def run(
         f"{os.cpu_count()} CPUs; 1-minute load average at the end: {load:.2f} (other work slows every row)"
     )
     figures = {"rows": rows, "seconds": seconds, "repeat": repeat, "cpus": os.cpu_count(), "loadavg": load}
-    return figures | ({"published": str(script), "ratio_32_clients": ratio} if script is not None else {})
+    if script is None:
+        return figures
+    return figures | {"published": str(script), "ratio_32_clients": ratio, "cpu_ratio_32_clients": cpu_ratio}
 
 
 def _published_rows(script: Path, seconds: float, repeat: int) -> list[dict[str, Any]]:
@@ -496,9 +501,10 @@ def _published_rows(script: Path, seconds: float, repeat: int) -> list[dict[str,
     return rows
 
 
-def _ratio(rows: list[dict[str, Any]]) -> float | None:
-    """tvcache's raw lookups/s at 32 clients over the published server's, when both ran."""
-    pick = {(r["server"], r["client"], r["load"]): r["per_second"] for r in rows}
+def _ratio(rows: list[dict[str, Any]], figure: str) -> float | None:
+    """tvcache's `figure` (per_second, server_cpu_us) with the raw client at 32 clients over the published
+    server's, when both ran."""
+    pick = {(r["server"], r["client"], r["load"]): r[figure] for r in rows}
     ours, theirs = pick.get(("tvcache", "raw", "32 clients")), pick.get(("published", "raw", "32 clients"))
     return ours / theirs if ours and theirs else None
 
