@@ -25,7 +25,7 @@ import stat
 from typing import Any
 
 from ..calls import ToolCall
-from ._shell import BoundedOutput, truncated_text
+from ._shell import BoundedOutput, bounded_text
 from ._syscalls import openat2
 from .base import Outcome, refusal
 
@@ -132,7 +132,7 @@ def read_file(root: str, cwd: bytes, path: str, limit: int) -> dict[str, Any]:
             half = limit // 2
             head = os.pread(fd, half, 0)
             tail = os.pread(fd, limit - half, st.st_size - (limit - half))
-            return {"content": truncated_text(head, tail, st.st_size)}
+            return {"content": bounded_text(head, tail, st.st_size, limit)}
         out = BoundedOutput(limit)
         while chunk := os.read(fd, 1 << 20):
             out.feed(chunk)

@@ -42,6 +42,7 @@ __all__ = [
     "BoundedOutput",
     "CommandResult",
     "ShellState",
+    "bounded_text",
     "parse_state",
     "run_bash",
     "state_script",
@@ -121,10 +122,40 @@ class BoundedOutput:
 
     def text(self) -> str:
         if self.total <= self.limit:
-            return self._head.decode(errors="replace")
+            return bounded_text(bytes(self._head), b"", self.total, self.limit)
         half = self.limit // 2
         tail = bytes((self._head[half:] + self._tail)[-(self.limit - half) :])
-        return truncated_text(bytes(self._head[:half]), tail, self.total)
+        return bounded_text(bytes(self._head[:half]), tail, self.total, self.limit)
+
+
+def bounded_text(head: bytes, tail: bytes, total: int, limit: int) -> str:
+    """The first bytes `head` and the last bytes `tail` of `total` as text of at most `limit` bytes of UTF-8, with a
+    marker line between them when anything is left out. Bytes that are not UTF-8 become U+FFFD, three bytes each,
+    so their text is cut further to fit."""
+    if len(head) + len(tail) == total:
+        text = (head + tail).decode(errors="replace")
+        if len(text.encode()) <= limit:
+            return text
+        whole, half = head + tail, limit // 2
+        head, tail = whole[:half], whole[half:]
+    half = limit // 2
+    return truncated_text(_fitting(head, half, from_end=False), _fitting(tail, limit - half, from_end=True), total)
+
+
+def _fitting(data: bytes, budget: int, *, from_end: bool) -> bytes:
+    """A prefix (or suffix) of `data` whose text takes at most `budget` bytes of UTF-8, the longest or nearly."""
+
+    def part(n: int) -> bytes:
+        return data[len(data) - n :] if from_end else data[:n]
+
+    low, high = 0, min(len(data), budget)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(part(mid).decode(errors="replace").encode()) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return part(low)
 
 
 def truncated_text(head: bytes, tail: bytes, total: int) -> str:
