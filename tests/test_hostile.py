@@ -266,6 +266,42 @@ def test_a_tree_deeper_than_any_recursion_and_paths_past_path_max(base: Path, mo
     run(main())
 
 
+# Hard links between files deeper than PATH_MAX, and from the top down there.
+DEEP_LINKS = f"""python3 -c '
+import os
+os.chdir("/testbed/deep")
+for _ in range({DEPTH}):
+    os.chdir("d")
+os.link("f", "g")
+os.link("f", "/testbed/top")
+'"""
+LINKS_SEEN = f"""python3 -c '
+import os
+os.chdir("/testbed/deep")
+for _ in range({DEPTH}):
+    os.chdir("d")
+print(os.stat("f").st_nlink, os.stat("f").st_ino == os.stat("g").st_ino == os.stat("/testbed/top").st_ino)
+print(open("g").read(), end="")
+'"""
+
+
+def test_hard_links_deeper_than_path_max_survive_a_snapshot(base: Path, mode: str) -> None:
+    """A snapshot linked the second name to the first by its path from the layer's root, which was too long."""
+
+    async def main() -> None:
+        async with WorkspaceSandboxes(base, isolation=mode) as boxes:  # type: ignore[arg-type]
+            box = await boxes.create()
+            await bash(box, DEEP)
+            await bash(box, DEEP_LINKS)
+            assert await out(box, LINKS_SEEN) == "3 True\nat the bottom\n"
+            other = await boxes.restore(await box.snapshot())
+            assert await out(other, "echo changed > /testbed/top; " + LINKS_SEEN) == "3 True\nchanged\n"
+            again = await boxes.restore(await other.snapshot())
+            assert await out(again, LINKS_SEEN) == "3 True\nchanged\n"
+
+    run(main())
+
+
 # A process that leaves a deep tree in its sandboxes' layers and copies, then is killed.
 KILLED = """
 import asyncio, os, signal, sys

@@ -22,11 +22,24 @@ import os
 import stat
 from collections.abc import Callable, Sequence
 
-__all__ = ["OPEN_DIR", "Skip", "TreeChanged", "Walk", "remove_tree"]
+__all__ = ["OPEN_DIR", "Skip", "TreeChanged", "Walk", "open_below", "remove_tree"]
 
 OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Directories of the walk's path kept open (per tree); far below any descriptor limit.
 _OPEN_DEPTH = 64
+
+
+def open_below(root: int, parts: Sequence[str]) -> int:
+    """A new descriptor of the directory at `parts` below the directory descriptor `root`, each component opened
+    relative to the one before without following a symlink: any depth, any path length."""
+    fd = os.open(".", OPEN_DIR, dir_fd=root)
+    for name in parts:
+        try:
+            inner = os.open(name, OPEN_DIR, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = inner
+    return fd
 
 
 class TreeChanged(OSError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import os
 import secrets
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from ._fdtree import OPEN_DIR, TreeChanged, Walk
+from ._fdtree import OPEN_DIR, TreeChanged, Walk, open_below
 
 __all__ = ["LayerStore", "copy_layer", "is_empty", "listing", "listing_digest", "merge_layers", "relisted"]
 
@@ -156,6 +157,21 @@ class _Links:
         self.first: dict[tuple[int, int], str] = {}
 
 
+def _link(links: _Links, first: str, dest: Ref) -> None:
+    """Make `dest` a hard link to the copy at `first`, however deep that lies."""
+    try:
+        os.link(first, dest.name, src_dir_fd=links.root, dst_dir_fd=dest.dir_fd, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG or links.root is None:
+            raise
+        *parents, name = first.split("/")
+        fd = open_below(links.root, parents)  # past PATH_MAX: one component at a time
+        try:
+            os.link(name, dest.name, src_dir_fd=fd, dst_dir_fd=dest.dir_fd, follow_symlinks=False)
+        finally:
+            os.close(fd)
+
+
 def _copy_file(src: Ref, st: os.stat_result, dest: Ref) -> None:
     """Copy the regular file `src` (lstat `st`), opened without following a symlink, and only if it is still the
     file that was stat'ed. Its holes stay holes (`du` and `df` see the same), and its access time stays as it was."""
@@ -204,7 +220,7 @@ def _copy_entry(
     key = (st.st_dev, st.st_ino)
     if st.st_nlink > 1 and key in links.first:
         # A hard link made inside the sandbox stays one.
-        os.link(links.first[key], dest.name, src_dir_fd=links.root, dst_dir_fd=dest.dir_fd, follow_symlinks=False)
+        _link(links, links.first[key], dest)
         return
     mode = st.st_mode
     if stat.S_ISREG(mode):
