@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import pytest
 
 from shell_oracle import run
 from test_workspace import MODES, factory_for, small_base, usable
-from tvcache import ToolCall
+from tvcache import SandboxError, ToolCall
 from tvcache.sandboxes._layers import listing
 from tvcache.sandboxes.workspace import _changes
 
@@ -157,3 +158,46 @@ def test_no_fanotify_here_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     watcher = _changes.Watcher()
     assert watcher.fd is None and watcher.why_not.startswith("fanotify_init")
     assert watcher.watch(str(Path("/dev/shm"))) is None
+
+
+@pytest.mark.skipif(not os.environ.get("TVCACHE_MILLION"), reason="minutes: set TVCACHE_MILLION=1")
+def test_a_million_inodes(mode: str) -> None:
+    """A sandbox fills its quota's million inodes: every call answers an Outcome, the account of changes is lost and
+    found again, snapshot and restore work (or raise SandboxError), list_dir stays within max_output."""
+    fill = (
+        "python3 -c 'import os\n"
+        "for d in range(10):\n"
+        '    os.makedirs(f"m/{d}", exist_ok=True)\n'
+        '    for i in range(100_000): open(f"m/{d}/{i}", "w").close()\''
+    )
+
+    async def main() -> None:
+        with small_base() as base:
+            async with factory_for(base, mode) as boxes:
+                box = await boxes.create()
+                filled = await box.execute(ToolCall("bash", {"command": fill}))
+                assert filled.changed is True, filled
+                assert (await box.execute(ToolCall("bash", {"command": "true"}))).changed is False
+                listed = await box.execute(ToolCall("list_dir", {"path": "m/0"}))
+                assert size(listed.output) <= boxes.max_output + 64 and listed.output["omitted"] > 0
+                count = await box.execute(ToolCall("bash", {"command": "find m -type f | wc -l"}))
+                files = int(count.output["output"])
+                assert files > 900_000, count
+                try:
+                    snap = await box.snapshot()
+                except SandboxError:
+                    return
+                assert (await box.execute(ToolCall("bash", {"command": "touch m/0/0"}))).changed is True
+                await box.snapshot()  # a delta on the million files
+                try:
+                    other = await boxes.restore(snap)
+                except SandboxError:
+                    return
+                again = await other.execute(ToolCall("bash", {"command": "find m -type f | wc -l"}))
+                assert int(again.output["output"]) == files
+
+    run(main())
+
+
+def size(answer: Any) -> int:
+    return len(json.dumps(answer, ensure_ascii=False).encode())

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from shell_oracle import cached_rollouts_wrong, run
 from test_workspace import MODES, usable
 from tvcache import Outcome, ToolCall
-from tvcache.sandboxes.workspace import WorkspaceSandboxes
+from tvcache.sandboxes.workspace import WorkspaceSandboxes, _changes, _isolation
 
 T = TypeVar("T")
 EXAMPLES = int(os.environ.get("TVCACHE_FUZZ_EXAMPLES", "8"))
@@ -90,6 +90,7 @@ OPS = st.one_of(
     st.tuples(st.just("touch"), path),
     st.tuples(st.just("scratch"), path),
     st.tuples(st.just("system"), text),
+    st.tuples(st.just("several"), path),
 )
 
 
@@ -139,6 +140,8 @@ def shell(op: tuple[Any, ...]) -> str:
             return f"[ -d {p} ] && touch {p}/.tmp && rm {p}/.tmp"
         case "touch":
             return f"touch -h -d @1000000000 {p}"
+        case "several":  # entries made in one step, in an order their names do not have
+            return f"mkdir -p {p} && touch {p}/n1 {p}/b {p}/n0 {p}/a && mkdir {p}/c"
         case "system":
             return f"printf %s {p!r} >> /opt/tvcache-fuzz && ls -la --time-style=+%s.%N / /opt | grep -v proc"
     raise AssertionError(kind)
@@ -184,16 +187,26 @@ class Run:
 
     async def run(self, ops: list[tuple[Any, ...]], points: dict[int, str], snapshot: bool) -> list[Any]:
         box = await self.timed("create", self.factory.create())
+        snaps: dict[int, str] = {}
         try:
             for i, op in enumerate(ops):
                 await self.step(box, f"op{i}", shell(op))
                 if i in points:
                     if snapshot:
-                        snap = await self.timed(f"snapshot{i}", box.snapshot())
-                        if points[i] == "restore":
+                        snap = snaps[i] = await self.timed(f"snapshot{i}", box.snapshot())
+                        earlier = sorted(j for j in snaps if j != i)
+                        if points[i] == "restore" or (points[i] == "rewind" and earlier):
                             await box.close()
-                            box = await self.timed(f"restore{i}", self.factory.restore(snap))
                             self.restored = True
+                        if points[i] == "restore":
+                            box = await self.timed(f"restore{i}", self.factory.restore(snap))
+                        elif points[i] == "rewind" and earlier:
+                            # Back to the latest earlier snapshot (the middle of a chain when there are two), then
+                            # the steps since once more, under the same labels: the state the uncached run is in.
+                            box = await self.timed(f"restore{i}", self.factory.restore(snaps[earlier[-1]]))
+                            for m in range(earlier[-1] + 1, i + 1):
+                                call = ToolCall("bash", {"command": "cd /testbed && { " + shell(ops[m]) + "\n} 2>&1"})
+                                await self.timed(f"op{m}", box.execute(call))
                     await self.step(box, f"look{i}", OBSERVE)
             await self.step(box, "end", OBSERVE)
         finally:
@@ -320,14 +333,48 @@ def test_sparse_files_stay_sparse(workspace: Path, mode: str) -> None:
     check(workspace, mode, [("sparse", "n0")], {0: "restore"})
 
 
+def test_a_chain_of_incremental_snapshots(workspace: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Snapshots along one sandbox's life are deltas on the one before (see workspace._deltas); a restore from the
+    end and from the middle of the chain replays them, and every later step sees what the uncached run sees."""
+    made: list[object] = []
+    real = _isolation.make_deltas
+
+    def counted(*args: Any) -> Any:
+        made.append(deltas := real(*args))
+        return deltas
+
+    monkeypatch.setattr(_isolation, "make_deltas", counted)
+    ops: list[tuple[Any, ...]] = [
+        ("write", "n0", "x"),
+        ("append", "README", "more"),  # a base file, copied up
+        ("mkdir", "d0/d1"),
+        ("rm", "data/a.txt"),  # a whiteout
+        ("mv", "d0", "n1"),  # a directory renamed: its subtree is new
+        ("opaque", "src"),
+        ("chmod", "n0", "4755"),
+        ("xattr", "n0", "user.a"),
+        ("append", "n0", "hello\n"),  # in place, keeping its place in the listing
+        ("deep", "d0", 30),
+        ("touch", "."),
+        ("write", "data/n2", "y"),
+        ("several", "data"),
+        ("several", "."),
+    ]
+    every = dict.fromkeys(range(len(ops)), "continue")
+    check(workspace, mode, ops, {**every, 8: "rewind", 11: "restore", 13: "rewind"})
+    check(workspace, mode, ops, {0: "continue", 3: "continue", 6: "continue", 9: "rewind", 12: "rewind"})
+    if mode != "copy" and _changes.Watcher().fd is not None:
+        assert len(made) >= 10, "the snapshots were not incremental"
+
+
 # -- the fuzzer ------------------------------------------------------------------------------------------------
 
 
 @st.composite
 def plans(draw: st.DrawFn) -> tuple[list[tuple[Any, ...]], dict[int, str]]:
     ops = draw(st.lists(OPS, min_size=1, max_size=10))
-    at = draw(st.sets(st.integers(0, len(ops) - 1), min_size=1, max_size=3))
-    return ops, {i: draw(st.sampled_from(["continue", "restore"])) for i in sorted(at)}
+    at = draw(st.sets(st.integers(0, len(ops) - 1), min_size=1, max_size=4))
+    return ops, {i: draw(st.sampled_from(["continue", "restore", "rewind"])) for i in sorted(at)}
 
 
 @settings(

@@ -21,7 +21,7 @@ import stat
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ._fdtree import OPEN_DIR, TreeChanged, Walk, open_below
 
@@ -361,19 +361,32 @@ def merge_layers(layers_top_first: list[str], base: list[str], dest: str, opaque
 
 
 class LayerStore:
-    """Reference-counted layer directories under `root`."""
+    """Reference-counted layer directories under `root`. A layer may be a delta on a parent layer (which it holds a
+    reference to): what it adds is in `deltas`, in the form its user keeps (see workspace._deltas)."""
 
     def __init__(self, root: Path):
         self.root = root
         root.mkdir()
         self._refs: dict[str, int] = {}
+        self._parents: dict[str, str] = {}
+        self.deltas: dict[str, Any] = {}
 
-    def new(self) -> tuple[str, Path]:
+    def new(self, parent: str | None = None) -> tuple[str, Path]:
         layer_id = secrets.token_hex(6)
         path = self.root / layer_id
         path.mkdir()
         self._refs[layer_id] = 0
+        if parent is not None:
+            self._parents[layer_id] = parent
+            self._refs[parent] += 1
         return layer_id, path
+
+    def chain(self, layer_id: str) -> list[str]:
+        """The layers `layer_id` is made of, a full one first, then each delta on it in turn."""
+        chain = [layer_id]
+        while chain[-1] in self._parents:
+            chain.append(self._parents[chain[-1]])
+        return chain[::-1]
 
     def dir(self, layer_id: str, mount: int) -> Path:
         return self.root / layer_id / str(mount)
@@ -385,11 +398,16 @@ class LayerStore:
     def release(self, stack: Iterable[str]) -> list[Path]:
         """Drop one reference to each layer; returns the directories of layers nobody uses any more."""
         dead = []
-        for layer_id in stack:
+        todo = list(stack)
+        while todo:
+            layer_id = todo.pop()
             self._refs[layer_id] -= 1
             if self._refs[layer_id] == 0:
                 del self._refs[layer_id]
+                self.deltas.pop(layer_id, None)
                 dead.append(self.root / layer_id)
+                if layer_id in self._parents:
+                    todo.append(self._parents.pop(layer_id))
         return dead
 
     def __len__(self) -> int:

@@ -14,8 +14,11 @@ Targets: snapshot and restore each under 5 ms and at least 100 times faster than
 
 Then, what a sandbox's size costs the host (issue 19): the same calls in a sandbox holding `MANY_FILES` files it
 wrote itself (200,000) and in one holding a single file, each after one file changed, as the ratio of the two:
-a trivial command (which includes change detection), change detection alone, a snapshot; this process's RSS
-before and after; and the JSON size of `list_dir` on the big directory against `max_output`.
+a trivial command (which includes change detection), change detection alone (fanotify, see workspace._changes),
+a snapshot (a delta on the last one, see workspace._deltas), a restore (which replays the chain: O(files)); next to
+them the paths that walk or copy the whole sandbox, which they replace (and which remain where fanotify is
+missing); this process's RSS before and after; and the JSON size of `list_dir` on the big directory against
+`max_output`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -35,6 +39,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tvcache.calls import ToolCall
+from tvcache.sandboxes._fdtree import remove_tree
+from tvcache.sandboxes._layers import copy_layer
 from tvcache.sandboxes.reclaim import scratch, scratch_dir
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
@@ -194,7 +200,8 @@ def _rss_mib() -> float:
 
 
 async def run_many(files: int = MANY_FILES, *, repeats: int = MANY_REPEATS) -> dict[str, Any]:
-    """What a sandbox of `files` files costs next to one of a single file, after one file changed (ms)."""
+    """What a sandbox of `files` files costs next to one of a single file, after one file changed (ms), and what the
+    paths that walked or copied the whole sandbox cost (the fallbacks where fanotify is missing)."""
     touch = ToolCall("bash", {"command": "echo x >> /testbed/many/f0"})
     true = ToolCall("bash", {"command": "true"})
     figures: dict[str, dict[str, float]] = {}
@@ -209,52 +216,89 @@ async def run_many(files: int = MANY_FILES, *, repeats: int = MANY_REPEATS) -> d
                 await box.snapshot()  # the first snapshot of the files themselves is not the point
             rss["after"] = _rss_mib()
             for name, box in (("small", small), ("big", big)):
-
-                async def changed_once(b: Any) -> None:
-                    await b.execute(touch)
+                slow = max(2, repeats // 2) if name == "big" else repeats  # the O(files) paths take seconds there
 
                 async def the_box(b: Any = box) -> Any:
                     return b
 
-                async def detect(b: Any) -> None:
-                    await b._fs.changed()
-
-                async def walk(b: Any) -> None:
-                    await b._fs._relisted()  # the walk every call made before fanotify (and still makes without)
+                async def written(b: Any = box) -> Any:
+                    # Through the sandbox's root, from here: the change is not looked at yet (a call would).
+                    await asyncio.to_thread(_append, os.path.join(b.root, "testbed/many/f0"))
+                    return b
 
                 async def touched(b: Any = box) -> Any:
                     await b.execute(touch)
                     return b
 
+                async def detect(b: Any) -> None:
+                    assert await b._fs.changed()
+
+                async def walk(b: Any) -> None:
+                    await b._fs._relisted()  # what every call did before fanotify (and still does without)
+
                 async def snapshot(b: Any) -> None:
                     await b.snapshot()
+
+                async def full_copy(b: Any) -> None:
+                    # What every snapshot did before deltas (and still does when the account cannot tell them).
+                    dest = Path(tempfile.mkdtemp(dir=boxes._run.path))
+                    try:
+                        for k in range(len(b._fs._listings)):
+                            await asyncio.to_thread(copy_layer, b._fs._upper(k), str(dest / str(k)))
+                    finally:
+                        await asyncio.to_thread(remove_tree, dest)
+
+                async def restore(b: Any) -> Any:
+                    return await boxes.restore(await b.snapshot())
 
                 async def trivial(b: Any) -> None:
                     await b.execute(true)
 
                 figures[f"a trivial command ({name})"] = _summary(await _timed(repeats, the_box, trivial))
-                figures[f"change detection ({name})"] = _summary(await _timed(repeats, touched, detect))
-                figures[f"change detection by a full walk ({name})"] = _summary(await _timed(repeats, touched, walk))
+                figures[f"change detection ({name})"] = _summary(await _timed(repeats, written, detect))
+                figures[f"change detection by a full walk ({name})"] = _summary(await _timed(slow, written, walk))
                 figures[f"snapshot, one file changed ({name})"] = _summary(await _timed(repeats, touched, snapshot))
+                figures[f"snapshot by a full copy ({name})"] = _summary(await _timed(slow, touched, full_copy))
+                figures[f"restore ({name})"] = _summary(await _timed(slow, touched, restore))
             listed = await big.execute(ToolCall("list_dir", {"path": "/testbed/many"}))
             list_bytes = len(json.dumps(listed.output))
     ratios = {
         what: figures[f"{what} (big)"]["median_ms"] / max(figures[f"{what} (small)"]["median_ms"], 1e-6)
-        for what in (
-            "a trivial command",
-            "change detection",
-            "change detection by a full walk",
-            "snapshot, one file changed",
-        )
+        for what in _MANY_ROWS
+    }
+    old_over_new = {
+        new: figures[f"{old} (big)"]["median_ms"] / max(figures[f"{new} (big)"]["median_ms"], 1e-6)
+        for new, old in _OLD_PATHS.items()
     }
     return {
         "files": files,
         "figures": figures,
         "big_over_small": ratios,
+        "old_over_new": old_over_new,
         "rss_mib": rss,
         "list_dir_bytes": list_bytes,
         "max_output": boxes.max_output,
     }
+
+
+_MANY_ROWS = (
+    "a trivial command",
+    "change detection",
+    "change detection by a full walk",
+    "snapshot, one file changed",
+    "snapshot by a full copy",
+    "restore",
+)
+#: Each operation, and the path it took before (and still takes where fanotify is missing).
+_OLD_PATHS = {
+    "change detection": "change detection by a full walk",
+    "snapshot, one file changed": "snapshot by a full copy",
+}
+
+
+def _append(path: str) -> None:
+    with open(path, "a") as f:
+        f.write("x\n")
 
 
 def print_many(result: dict[str, Any], console: Console | None = None) -> None:
@@ -267,6 +311,8 @@ def print_many(result: dict[str, Any], console: Console | None = None) -> None:
         big, small = figures[f"{what} (big)"], figures[f"{what} (small)"]
         table.add_row(what, f"{big['median_ms']:.2f} ms", f"{small['median_ms']:.2f} ms", f"{ratio:.1f}x")
     console.print(table)
+    for new, ratio in result["old_over_new"].items():
+        console.print(f"{new}, {result['files']:,} files: {ratio:,.0f}x faster than {_OLD_PATHS[new]}")
     rss = result["rss_mib"]
     console.print(
         f"This process's RSS: {rss['before']:.0f} MiB before the {result['files']:,} files, {rss['after']:.0f} MiB "

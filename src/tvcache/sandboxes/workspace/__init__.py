@@ -8,11 +8,11 @@
 
 **Filesystem.** A sandbox's root is overlayfs: read-only lower layers (the system root, by default the host's
 `/`, and the workspace directories at their mount points) under private upper dirs on a tmpfs of the
-sandbox's own (its disk quota). `snapshot()` copies the upper dirs into a new read-only layer (O(size of the
-diff since the base)) and the sandbox goes on in them; `restore()` copies a snapshot's layer into the upper dirs
-of a fresh tmpfs. Files thus stay in the layer where the uncached history put them, which commands can see (see
-_isolation). Layers are reference-counted (snapshots and live sandboxes hold them). See _isolation for the three
-isolation modes.
+sandbox's own (its disk quota). `snapshot()` copies the upper dirs into a new read-only layer and the sandbox goes
+on in them: after the first, only the entries changed since the snapshot before, as a delta on it (see _deltas);
+`restore()` copies a snapshot's layers into the upper dirs of a fresh tmpfs. Files thus stay in the layer where
+the uncached history put them, which commands can see (see _isolation). Layers are reference-counted (snapshots and
+live sandboxes hold them). See _isolation for the three isolation modes.
 
 **Tools.** Every call returns a JSON-able dict:
 

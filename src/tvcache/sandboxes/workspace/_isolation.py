@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import shutil
@@ -39,15 +40,20 @@ from .._fdtree import OPEN_DIR, Walk, remove_tree
 from .._layers import LayerStore, copy_layer, listing, merge_layers
 from .._shell import ShellState
 from ..base import SandboxError
-from ._changes import Watch, Watcher
+from ._changes import Batch, Watch, Watcher
+from ._deltas import NotIncremental, apply, make_deltas
 from ._layout import DEVICES, Layout, build_layout
 from ._mounts import HelperMounter, Mounter, MountSpace, PrivateMounter
 from ._rundir import mounts_below
 
 __all__ = ["Isolation", "SandboxRoot", "Snapshot", "choose"]
 
+log = logging.getLogger("tvcache")
+
 #: Bytes of quota per file the quota allows (tmpfs's nr_inodes).
 _BYTES_PER_INODE = 1024
+#: Layers a restore may replay (a full one and deltas on it); the next snapshot copies the upper dirs whole.
+MAX_CHAIN = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +164,13 @@ class SandboxRoot(ABC):
         _changes), else by walking the tree (`_relisted`)."""
         if self._watch is None:
             return await self._relisted()
-        return self._watch.take().events > 0
+        batch = self._watch.take()
+        self._seen(batch)
+        return batch.events > 0
+
+    def _seen(self, batch: Batch) -> None:
+        """What the kernel reported since the last look (where it keeps an account)."""
+        return None
 
     @abstractmethod
     async def _relisted(self) -> bool:
@@ -263,6 +275,8 @@ class LayeredRoot(SandboxRoot):
         """The layer the upper dirs hold the same files as (since the last restore or snapshot); None: empty."""
         self._dirty = False
         self._listings: list[str | None] = [None] * len(isolation.layout.overlays)
+        self._changes = Batch()
+        """The kernel's account of the changes since the last restore or snapshot (where it keeps one)."""
 
     def _scratch_mount(self) -> str:
         return str(self.box / "scratch")
@@ -286,6 +300,7 @@ class LayeredRoot(SandboxRoot):
         # Once mounted (mounting sets xattrs on the upper dirs): changes count from here, also a file made and
         # deleted by one command, which leaves an upper dir empty but its times changed.
         await self._watch_or_list()
+        self._changes = Batch()
 
     def _new_scratch(self) -> None:
         """The tmpfs of the (empty) upper and work dirs."""
@@ -298,11 +313,15 @@ class LayeredRoot(SandboxRoot):
             _like_lower_root(view(f"{scratch}/u{k}"), mnt.lowers[-1])
 
     def _fill(self, layer: str) -> None:
-        """Copy the layer into the upper dirs (not mounted yet)."""
+        """Copy the layer into the upper dirs (not mounted yet): its full ancestor, then each delta in turn."""
+        layers = self.iso.layers
+        full, *deltas = layers.chain(layer)
         for k in range(len(self.iso.layout.overlays)):
-            if (frozen := self.iso.layers.dir(layer, k)).is_dir():
+            if (frozen := layers.dir(full, k)).is_dir():
                 os.rmdir(self._upper(k))
                 copy_layer(str(frozen), self._upper(k))
+            for delta in deltas:
+                apply(str(layers.dir(delta, k)), self._upper(k), layers.deltas[delta][k])
 
     def _mount(self) -> None:
         """The overlays of the layout's lower dirs under the upper dirs, and the layout's binds."""
@@ -317,6 +336,9 @@ class LayeredRoot(SandboxRoot):
         self._dirty = self._dirty or changed
         return changed
 
+    def _seen(self, batch: Batch) -> None:
+        self._changes.merge(batch)
+
     async def _relisted(self) -> bool:
         changed = False
         for k, before in enumerate(self._listings):
@@ -330,20 +352,46 @@ class LayeredRoot(SandboxRoot):
         No command is running (the caller holds the sandbox) and each one's PID namespace died with it, so
         nothing writes into the upper dirs while they are copied. If the copy fails, the sandbox goes on as if
         no snapshot had been asked for."""
+        if self._watch is not None:
+            await self.changed()  # anything since the last call, too
         if self._dirty:
             layers = self.iso.layers
-            layer_id, path = layers.new()
-            layers.acquire([layer_id])
-            try:
-                for k in range(len(self._listings)):  # an empty one too: its root's times may have changed
-                    await asyncio.to_thread(copy_layer, self._upper(k), str(path / str(k)))
-            except BaseException:
-                await self.iso.remove(layers.release([layer_id]))
-                raise
+            layer_id = await self._delta_layer()
+            if layer_id is None:
+                layer_id, path = layers.new()
+                layers.acquire([layer_id])
+                try:
+                    for k in range(len(self._listings)):  # an empty one too: its root's times may have changed
+                        await asyncio.to_thread(copy_layer, self._upper(k), str(path / str(k)))
+                except BaseException:
+                    await self.iso.remove(layers.release([layer_id]))
+                    raise
             dead = layers.release(_held(self.layer))
-            self.layer, self._dirty = layer_id, False
+            self.layer, self._dirty, self._changes = layer_id, False, Batch()
             await self.iso.remove(dead)
         return Snapshot(state, self.layer)
+
+    async def _delta_layer(self) -> str | None:
+        """A new layer as the current one plus the entries changed since (see _deltas), or None where the kernel's
+        account cannot tell them (or the chain of deltas is long enough: a restore replays all of it)."""
+        layers, parent, entries = self.iso.layers, self.layer, self._changes.entries
+        if parent is None or entries is None or self._watch is None or len(layers.chain(parent)) >= MAX_CHAIN:
+            return None
+        layer_id, path = layers.new(parent)
+        layers.acquire([layer_id])
+        uppers = [self._upper(k) for k in range(len(self._listings))]
+        try:
+            layers.deltas[layer_id] = await asyncio.to_thread(
+                make_deltas, entries, self.scratch(), self._scratch_mount(), uppers, str(path)
+            )
+        except (NotIncremental, OSError) as exc:  # the full copy says whether the sandbox itself is the problem
+            log.debug("a full snapshot instead of a delta: %s", exc)
+            await self.iso.remove(layers.release([layer_id]))
+            return None
+        except BaseException:
+            await self.iso.remove(layers.release([layer_id]))
+            raise
+        return layer_id
 
     async def remove(self) -> None:
         await super().remove()
