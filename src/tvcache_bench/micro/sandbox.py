@@ -19,6 +19,8 @@ a snapshot (a delta on the last one, see workspace._deltas), a restore (which re
 them the paths that walk or copy the whole sandbox, which they replace (and which remain where fanotify is
 missing); this process's RSS before and after; and the JSON size of `list_dir` on the big directory against
 `max_output`.
+
+Last, what tracing read sets costs per swe-like command (see `read_sets`).
 """
 
 from __future__ import annotations
@@ -349,4 +351,8 @@ async def main(base: str | None = None) -> dict[str, Any]:
     print_table(result)
     result["many_files"] = await run_many()
     print_many(result["many_files"])
+    from . import read_sets
+
+    result["read_sets"] = await read_sets.run()
+    read_sets.print_table(result["read_sets"])
     return result

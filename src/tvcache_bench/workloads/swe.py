@@ -54,7 +54,7 @@ import sys
 import tarfile
 import time
 import zipfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -596,6 +596,11 @@ class MaskedSandboxes:
     async def delete(self, snapshot_id: str) -> None:
         await self.inner.delete(snapshot_id)
 
+    async def base_digests(self, keys: Collection[str]) -> Mapping[str, str]:
+        """The inner factory's (masking changes outputs, not what a call read)."""
+        base = getattr(self.inner, "base_digests", None)
+        return {} if base is None else await base(keys)
+
     async def close(self) -> None:
         close = getattr(self.inner, "close", None)
         if close is not None:
@@ -622,8 +627,11 @@ class _Masked:
         await self.inner.close()
 
 
-def make_sandboxes(base: Base, *, timeout: float = TIMEOUT, tmp: str | None = None) -> MaskedSandboxes:
-    """Workspace sandboxes over `base`: /testbed and the environment, the network off."""
+def make_sandboxes(
+    base: Base, *, timeout: float = TIMEOUT, tmp: str | None = None, read_sets: bool = True
+) -> MaskedSandboxes:
+    """Workspace sandboxes over `base`: /testbed and the environment, the network off, commands traced for their
+    read sets (`read_sets`)."""
     from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
     workspace = WorkspaceSandboxes(
@@ -633,6 +641,7 @@ def make_sandboxes(base: Base, *, timeout: float = TIMEOUT, tmp: str | None = No
         timeout=timeout,
         network=False,
         tmp=tmp,
+        read_sets=read_sets,
     )
     return MaskedSandboxes(workspace)
 
@@ -647,10 +656,12 @@ def build_workload(
     root: str | Path | None = None,
     tmp: str | None = None,
     log: Log | None = None,
+    read_sets: bool = True,
 ) -> Workload:
     """The `swe` workload: the rollouts of the first `tasks` instances of `swe-dev.jsonl` (all 12 when
     None), each instance in sandboxes over its base (built on first use, see `build_base`). `timeout` is
-    the seconds a command may run; `tmp` where sandboxes live (default /dev/shm). Close the workload."""
+    the seconds a command may run; `tmp` where sandboxes live (default /dev/shm); `read_sets` traces every
+    command's reads (for every strategy alike, so that all see the same sandboxes). Close the workload."""
     traces = first_tasks(read_traces(workload_path("traces", "swe-dev.jsonl")), tasks)
     instances = read_instances()
     unknown = [t for t in task_order(traces) if t not in instances]
@@ -664,7 +675,7 @@ def build_workload(
     for base in bases.values():
         if base.root not in factories:
             # No sandbox runs yet if a later one fails: the earlier factories clean up when collected.
-            factories[base.root] = make_sandboxes(base, timeout=timeout, tmp=tmp)
+            factories[base.root] = make_sandboxes(base, timeout=timeout, tmp=tmp, read_sets=read_sets)
 
     async def close() -> None:
         for factory in factories.values():

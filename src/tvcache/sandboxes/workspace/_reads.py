@@ -194,7 +194,7 @@ class Trace:
 def _split_args(args: str) -> list[str]:
     """The arguments, split at commas: strings are hex, so no comma hides in one; an array or structure (execve's
     argv, connect's address) is cut into pieces, but only ever comes after the arguments read here."""
-    return args.split(", ")
+    return [arg.strip() for arg in args.split(",")]
 
 
 def _string(arg: str) -> str | None:
