@@ -84,6 +84,56 @@ def live(box: Any, keys: list[str], boxes: WorkspaceSandboxes) -> dict[str, str]
 # -- unit tests --------------------------------------------------------------------------------------------------
 
 
+def hexed(text: str) -> str:
+    """A trace line as strace -xx writes it: every quoted string and every <path> in hex."""
+    import re
+
+    def hx(m: re.Match[str]) -> str:
+        return m.group(1) + "".join(f"\\x{b:02x}" for b in m.group(2).encode()) + m.group(3)
+
+    return re.sub(r'(")([^"]*)(")', hx, re.sub(r"((?:\d|AT_FDCWD)<)([^>]*)(>)", hx, text))
+
+
+def parse(*lines: str) -> _reads.Trace:
+    mark = f'1 newfstatat(AT_FDCWD</>, "{_reads.MARK}", 0x1, 0) = -1 ENOENT (No such file or directory)'
+    return _reads.parse_trace("\n".join(hexed(x) for x in (mark, *lines, "1 exit_group(0) = ?")).encode())
+
+
+def test_the_trace_parser_follows_processes_descriptors_and_interleaved_lines() -> None:
+    trace = parse(
+        '1 newfstatat(AT_FDCWD</testbed>, "nope", 0x1, 0) = -1 ENOENT (No such file or directory)',
+        "1 clone(child_stack=NULL, flags=CLONE_CHILD_SETTID|SIGCHLD, child_tidptr=0x1) = 7",
+        '7 access("rel", R_OK) = 0',  # a child inherits its parent's working directory
+        '7 openat(AT_FDCWD</testbed/src>, "a.py", O_RDONLY|O_CLOEXEC <unfinished ...>',
+        "1 getdents64(3</testbed/d>, 0x1, 32768) = 48",
+        "7 <... openat resumed>) = 3</testbed/src/a.py>",
+        '7 newfstatat(3</testbed/src/a.py>, "", 0x1, AT_EMPTY_PATH) = 0',  # an fstat: the open said it all
+        '7 openat(AT_FDCWD</tmp>, "/tmp", O_RDWR|O_EXCL|O_TMPFILE, 0600) = 4</tmp/#5 (deleted)>',
+    )
+    assert trace.complete and trace.started and trace.hazard is None and not trace.written
+    assert trace.reads == {
+        "/testbed/nope": {"follow"},
+        "/testbed/rel": {"follow"},
+        "/testbed/src/a.py": {"follow"},
+        "/testbed/d": {"list"},
+        "/tmp": {"walk"},
+    }
+
+
+def test_the_trace_parser_refuses_what_it_cannot_place() -> None:
+    thread = parse(
+        "1 clone(child_stack=0x1, flags=CLONE_VM|CLONE_FS|CLONE_FILES|CLONE_THREAD, tls=0x1) = 7",
+        '7 access("rel", R_OK) = 0',  # a thread's working directory may have moved with another's chdir
+    )
+    assert thread.hazard is not None and "directory the trace does not show" in thread.hazard
+    lost = _reads.parse_trace(hexed('1 openat(AT_FDCWD</>, "/etc/passwd", O_RDONLY) = 3</etc/passwd>').encode())
+    assert not lost.complete  # no exit of the shell: the tracer may have died
+    wrote = parse('1 openat(AT_FDCWD</>, "/testbed/f", O_WRONLY|O_CREAT|O_TRUNC, 0666) = 3</testbed/f>')
+    assert wrote.written == {"/testbed/f"}
+    sock = parse("1 connect(3<socket:[1]>, {sa_family=AF_INET, sin_port=htons(80)}, 16) = -1 ENETUNREACH (x)")
+    assert sock.hazard is not None and "connection" in sock.hazard
+
+
 def test_a_read_records_contents_absent_probes_listings_and_symlinks() -> None:
     async def main() -> None:
         with tree({"a.txt": "A\n", "b.txt": "B\n", "d/x": "x"}, {"l": "a.txt"}) as base:

@@ -178,6 +178,8 @@ class Trace:
     complete: bool = False
     started: bool = False
     """Whether the command itself runs (the shell made its mark): before, the reads are the shell's own start."""
+    threads: set[int] = field(default_factory=set)
+    """Processes sharing their working directory with another (threads)."""
 
     def read(self, path: str, how: str) -> None:
         if not self.started and how in (FOLLOW, NOFOLLOW):
@@ -246,7 +248,12 @@ def _one(trace: Trace, cwd: dict[int, str], pid: int, name: str, args: list[str]
     if name in ("clone", "clone3", "fork", "vfork"):
         child = result.split()[0]
         if ok and child.isdigit():
-            cwd[int(child)] = cwd.get(pid, "")
+            # A thread (CLONE_FS) shares its working directory with its creator: a chdir in one moves both, which
+            # the per-process record below cannot follow, so theirs is unknown for relative paths without a dirfd.
+            shared = "CLONE_FS" in ",".join(args)
+            cwd[int(child)] = "" if shared else cwd.get(pid, "")
+            if shared:
+                trace.threads.update((pid, int(child)))
         return
     if name in _UNSOUND:
         trace.unsound(f"{name} (not described by file digests)")
@@ -270,7 +277,7 @@ def _one(trace: Trace, cwd: dict[int, str], pid: int, name: str, args: list[str]
         if m is None:
             return None
         if m.group(2) is None:
-            return cwd.get(pid) if m.group(1) == "AT_FDCWD" else None
+            return cwd.get(pid) if m.group(1) == "AT_FDCWD" and pid not in trace.threads else None
         path = _hex(m.group(2))
         if m.group(1) == "AT_FDCWD":
             cwd[pid] = path
@@ -285,7 +292,8 @@ def _one(trace: Trace, cwd: dict[int, str], pid: int, name: str, args: list[str]
         base = fd_path(args[0]) if args else None
         path, rest = (_string(args[1]) if len(args) > 1 else None), args[2:]
     else:
-        base, path, rest = cwd.get(pid), (_string(args[0]) if args else None), args[1:]
+        base = None if pid in trace.threads else cwd.get(pid)
+        path, rest = (_string(args[0]) if args else None), args[1:]
     flags = " ".join(rest)
     if path is None:
         trace.unsound(f"{name} with a path the trace does not show: {', '.join(args)[:80]}")
