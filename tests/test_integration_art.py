@@ -15,7 +15,7 @@ import re
 import sqlite3
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -354,11 +354,18 @@ class PlanIds(ScriptedLLM):
         return message
 
 
-async def run_shop(wrap: Callable[[Shop], Shop]) -> list[tuple[list[str], dict[int, tuple[str, float]]]]:
+Epochs = list[tuple[list[str], dict[int, tuple[str, float]]]]
+
+
+async def run_shop(wrap: Callable[[Shop], Shop]) -> Epochs:
+    return await run_group(lambda model: shop_rollout(model, SHOPPING, wrap), SHOP_PLANS)
+
+
+async def run_group(rollout: Callable[[Any], Awaitable[Any]], plans: Sequence[Any]) -> Epochs:
     """Two epochs of a group of one rollout per plan through ART's gathering: per epoch, the model's requests
     (sorted) and per plan the trajectory's messages and reward."""
     epochs = []
-    async with PlanIds(SHOP_PLANS) as llm:
+    async with PlanIds(plans) as llm:
         model = art.Model(
             name="parity",
             project="tvcache",
@@ -369,17 +376,18 @@ async def run_shop(wrap: Callable[[Shop], Shop]) -> list[tuple[list[str], dict[i
         for epoch in range(2):
             seen = len(llm.requests)
             (group,) = await art.gather_trajectory_groups(
-                [art.TrajectoryGroup(shop_rollout(model, SHOPPING, wrap) for _ in SHOP_PLANS)], pbar_desc=None
+                [art.TrajectoryGroup(rollout(model) for _ in plans)], pbar_desc=None
             )
             requests = sorted(json.dumps(body["messages"], sort_keys=True) for body in llm.requests[seen:])
             by_plan = {}
             for trajectory in group.trajectories:
                 messages = trajectory.messages()
-                by_plan[plan_of(str(messages[2]["content"]))] = (
+                first = next(m for m in messages if m["role"] == "assistant")
+                by_plan[plan_of(str(first["content"]))] = (
                     json.dumps(messages, sort_keys=True),
                     trajectory.reward,
                 )
-            assert sorted(by_plan) == list(range(len(SHOP_PLANS))), epoch
+            assert sorted(by_plan) == list(range(len(plans))), epoch
             epochs.append((requests, by_plan))
     return epochs
 
@@ -503,3 +511,191 @@ def test_the_tools_example_gives_what_art_alone_gives(tmp_path: Path) -> None:
     assert rewards_of(lines[0]) == rewards_of(lines[1]) == [0.0] * 4 + [1.0] * 4
     assert lines[0].endswith("; 11 of 18 tool calls hit")  # plan 2 repeats plan 0's calls; 0 and 2 run twice
     assert lines[1].endswith("; 18 of 18 tool calls hit"), lines[1]
+
+
+# -- tool functions of arguments alone, ART•E-style: a search over a read-only inbox -------------------------------
+
+INBOX = Path(tempfile.mkdtemp()) / "inbox.db"  # the corpus: made once, read by the tools, never changed
+
+
+def make_inbox() -> None:
+    if INBOX.exists():
+        return
+    db = sqlite3.connect(INBOX)
+    db.execute("CREATE TABLE email(id TEXT PRIMARY KEY, subject TEXT, body TEXT)")
+    db.executemany(
+        "INSERT INTO email VALUES (?, ?, ?)",
+        [(f"m{i}", f"subject {i} {'offsite' if i % 7 == 0 else 'weekly'}", "body " * (i % 50)) for i in range(3000)],
+    )
+    db.commit()
+    db.close()
+
+
+def search_inbox(keywords: list[str], limit: int = 5) -> list[dict[str, str]]:
+    """Emails whose subject has every keyword."""
+    db = sqlite3.connect(f"file:{INBOX}?mode=ro", uri=True)
+    where = " AND ".join("subject LIKE ?" for _ in keywords)
+    rows = db.execute(f"SELECT id, subject FROM email WHERE {where} LIMIT ?", [*(f"%{k}%" for k in keywords), limit])
+    return [{"id": i, "subject": subject} for i, subject in rows]
+
+
+def read_email(message_id: str) -> tuple[str, str] | None:
+    """One email, or None."""
+    if not message_id.startswith("m"):
+        raise ValueError(f"not a message id: {message_id!r}")
+    db = sqlite3.connect(f"file:{INBOX}?mode=ro", uri=True)
+    return db.execute("SELECT subject, body FROM email WHERE id = ?", (message_id,)).fetchone()  # type: ignore[no-any-return]
+
+
+async def count_words(message_id: str) -> int:
+    await asyncio.sleep(0)
+    found = read_email(message_id)
+    return 0 if found is None else len(found[1].split())
+
+
+def slow_index(rebuild: bool) -> str:
+    """A tool with a timeout of its own."""
+    subprocess.run(["sleep", "5" if rebuild else "0"], capture_output=True, timeout=1)
+    return "indexed"
+
+
+async def inbox_rollout(model: Any, tools: dict[str, Callable[..., Any]]) -> Any:
+    """The user's rollout function, ART•E's shape: a match on the tool name, errors shown to the model, a reward
+    from the final answer."""
+    trajectory = art.Trajectory(messages_and_choices=[{"role": "user", "content": "When is the offsite?"}])
+    answer = None
+    for _ in range(6):
+        response = await model.openai_client().chat.completions.create(
+            model=model.get_inference_name(), messages=trajectory.messages()
+        )
+        choice = response.choices[0]
+        trajectory.messages_and_choices.append(choice)
+        if not choice.message.tool_calls:
+            break
+        for tool_call in choice.message.tool_calls:
+            try:
+                args = json.loads(tool_call.function.arguments)
+                match tool_call.function.name:
+                    case "final_answer":
+                        answer = args["answer"]
+                        result: Any = "ok"
+                    case name if name in tools:
+                        result = tools[name](**args)
+                        if inspect.isawaitable(result):
+                            result = await result
+                    case name:
+                        raise KeyError(name)
+                content = json.dumps(result)
+            except Exception as exc:
+                content = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+            trajectory.messages_and_choices.append({"role": "tool", "tool_call_id": tool_call.id, "content": content})
+    trajectory.reward = float(answer == "m0")
+    return trajectory
+
+
+INBOX_PLANS = [
+    [
+        [call("search_inbox", {"keywords": ["offsite"]})],
+        [call("read_email", {"message_id": "m0"})],
+        [call("final_answer", {"answer": "m0"})],
+    ],
+    [
+        [call("search_inbox", {"keywords": ["offsite"], "limit": 5})],
+        [call("final_answer", {"answer": "m7"})],
+    ],  # defaults given
+    [
+        [call("search_inbox", '{"keywords": ["offsite"]')],
+        [call("read_email", {"message_id": "x1"})],
+        [call("read_email", {"message_id": "m99999"})],
+    ],  # malformed; raises; None
+    [
+        [
+            call("search_inbox", {"keywords": "offsite"}),
+            call("search_inbox", {"keywords": 5}),
+            call("read_email", {"id": "m0"}),
+            call("delete_all", {}),
+        ]
+    ],  # wrong types, unknown argument and tool
+    [
+        [call("search_inbox", {"keywords": ["weekly"], "limit": 3000})],
+        [call("count_words", {"message_id": "m49"})],
+    ],  # a huge output; async
+    [
+        [
+            call("slow_index", {"rebuild": True}),
+            call("slow_index", {"rebuild": False}),
+            call("read_email", {"message_id": "m0"}),
+        ]
+    ],  # a timeout, then more in the turn
+    [
+        [
+            call("search_inbox", {"keywords": ["offsite"]}),
+            call("read_email", {"message_id": "m0"}),
+            call("count_words", {"message_id": "m0"}),
+        ],
+        [call("final_answer", {"answer": "m0"})],
+    ],
+]
+INBOX_TOOLS = [search_inbox, read_email, count_words, slow_index]
+
+
+def test_cached_function_shows_the_model_what_art_alone_shows_and_pays_the_same() -> None:
+    from tvcache.integrations.art import cached_function
+
+    make_inbox()
+    plain_tools = {fn.__name__: fn for fn in INBOX_TOOLS}
+    with tvcache.SyncToolCache(max_output_bytes=50_000) as cache:
+        cached_tools = {fn.__name__: cached_function(fn, cache=cache) for fn in INBOX_TOOLS}
+        plain = asyncio.run(run_group(lambda model: inbox_rollout(model, plain_tools), INBOX_PLANS))
+        through = asyncio.run(run_group(lambda model: inbox_rollout(model, cached_tools), INBOX_PLANS))
+        stats = cache.stats()
+
+    for epoch, ((requests, by_plan), (requests_cached, by_plan_cached)) in enumerate(zip(plain, through, strict=True)):
+        assert requests_cached == requests, epoch
+        assert by_plan_cached == by_plan, epoch
+    assert [plain[0][1][k][1] for k in range(len(INBOX_PLANS))] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    seen = json.dumps(plain[0][1])
+    for shown in (
+        "ValueError: not a message id: 'x1'",
+        "TimeoutExpired: Command '['sleep', '5']' timed out after 1 seconds",
+        "got an unexpected keyword argument 'id'",
+    ):
+        assert shown in seen, shown
+    # 15 calls reach the tools per epoch (not the malformed one, nor those that fail to bind or name no tool), 12
+    # distinct: each runs once, except what must run again in the second epoch (the timeout, a failure; the output
+    # over max_output_bytes); the rest hit.
+    assert (stats["calls"], stats["executions"], stats["failures"], stats["hits"]) == (30, 14, 2, 16), stats
+
+
+def test_a_cached_function_called_inside_a_cached_tool_runs_as_part_of_it() -> None:
+    """A tool method that calls a decorated function: on a miss the function runs inside the method's execution (on
+    the cache's thread, where waiting for the cache would hang), and a hit answers the method as a whole."""
+    import threading
+
+    from tvcache.integrations.art import cached_function, cached_tools, results
+
+    make_inbox()
+    cache = tvcache.SyncToolCache()  # not `with`: closing a cache whose loop hangs would hang too
+    search = cached_function(search_inbox, cache=cache)
+
+    class Desk:
+        def __init__(self) -> None:
+            self.found: list[str] = []
+
+        def look(self, keyword: str) -> int:
+            self.found += [row["id"] for row in search([keyword], limit=2)]
+            return len(self.found)
+
+    answers: list[tuple[int, bool, list[str]]] = []
+
+    def rollouts() -> None:
+        for _ in range(2):
+            desk = cached_tools(Desk(), cache=cache)
+            answers.append((desk.look("offsite"), results(desk)[0].hit, desk.found))
+
+    worker = threading.Thread(target=rollouts, daemon=True)
+    worker.start()
+    worker.join(120)  # a liveness bound, not a speed check: a hang fails here instead of hanging the run
+    assert not worker.is_alive(), "a call never answered"
+    cache.close()
+    assert answers == [(2, False, ["m0", "m7"]), (2, True, ["m0", "m7"])]

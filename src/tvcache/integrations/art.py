@@ -36,6 +36,10 @@ does not run the method; arguments must be JSON values (a model's are). Methods 
 at a time per sandbox: a plain method blocks the rollout's event loop until it answers (as it does without
 tvcache), an async one is awaited. `results(obj)` lists the `Result` of each call (hit or not, seconds).
 
+**Tool functions of their arguments alone** (`cached_function`). ART•E's tools search a fixed inbox: plain functions
+whose result depends only on their arguments. Decorate them (`@cached_function`) and call them as before; a call is
+answered from the cache, or runs the function and records what it returned or raised, as above.
+
 **Tools in a sandbox** (`cached_rollout`). Tools that work on files or a shell belong in a tvcache sandbox
 (`WorkspaceSandboxes`, `DockerSandboxes`): decorate the rollout function, and call them through
 `tvcache.current_rollout()`:
@@ -58,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
 import pickle
@@ -68,18 +73,21 @@ from typing import Any, ParamSpec, TypeVar
 
 from ..cache import ToolCache
 from ..calls import ToolCall, Tools
+from ..functions import _fingerprint
 from ..rollout import Result
 from ..sandboxes.base import Sandboxes
+from ..sandboxes.python import PythonSandboxes
 from ..sync import SyncRollout, SyncToolCache
 from . import trl
 from .keys import task_key
-from .process import process_cache
+from .process import process_cache, process_sandboxes, process_sync_cache
 
-__all__ = ["cached_rollout", "cached_tools", "close", "results"]
+__all__ = ["cached_function", "cached_rollout", "cached_tools", "close", "results"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: Exceptions that mean a tool method failed rather than answered: never recorded.
 TIMEOUTS = (TimeoutError, subprocess.TimeoutExpired)
@@ -148,14 +156,98 @@ def _end(rollout: SyncRollout) -> None:
             asyncio.run_coroutine_threadsafe(inner.close(), inner.loop)
 
 
+#: True while a tool runs for the cache: a cached function it calls is part of that execution and runs directly
+#: (waiting for the cache there would block the thread the cache runs on).
+_executing: contextvars.ContextVar[bool] = contextvars.ContextVar("tvcache_art_executing", default=False)
+
+
 async def _run(cls: Any, state: trl.State, call: ToolCall) -> Any:
     """A tool method on the sandbox's state (trl's), except that a timeout is a failure: raised, never recorded."""
-    output = await trl._run(cls, state, call)
+    token = _executing.set(True)
+    try:
+        return _unless_timed_out(await trl._run(cls, state, call))
+    finally:
+        _executing.reset(token)
+
+
+def _unless_timed_out(output: Any) -> Any:
     if isinstance(output, dict) and "raised" in output:
         raised = pickle.loads(bytes.fromhex(output["raised"]))
         if isinstance(raised, TIMEOUTS):
             raise raised
     return output
+
+
+def cached_function(fn: F, *, cache: SyncToolCache | None = None, fingerprint: str | None = None) -> F:
+    """`fn`, a tool function whose result depends only on its arguments (and on data that does not change while
+    training: a search over a fixed corpus, a read-only database), going through tvcache; use it as a decorator.
+    A call is looked up in the cache, and on a miss `fn` runs; what it returned, or raised, is recorded exactly, as
+    for `cached_tools`, and a timeout is a failure, never recorded. Each call is a rollout of its own at the root of
+    the function's scope, named by its source (`fingerprint=` names a data version too); state it changes outside
+    its arguments would be skipped by a hit: give such tools an object and `cached_tools`.
+
+    - `cache`: a `SyncToolCache`, default `process_sync_cache()` (the `TVCACHE_URL` store, else memory).
+    """
+    if not inspect.isfunction(fn):
+        raise TypeError(f"cached_function takes a tool function (def or async def), got {fn!r}")
+    name = fn.__name__
+    task = f"{fn.__module__}.{fn.__qualname__}"
+    boxes = process_sandboxes(
+        ("tvcache.art-function", fn, fingerprint),
+        lambda: PythonSandboxes(
+            _no_state, functools.partial(_call_function, fn), fingerprint or _fingerprint({name: fn}, None)
+        ),
+    )
+
+    def open_rollout() -> SyncRollout:
+        return (cache or process_sync_cache()).open(task, boxes)
+
+    wrapper: Callable[..., Any]
+    if inspect.iscoroutinefunction(fn):
+
+        async def acall(*args: Any, **kwargs: Any) -> Any:
+            if _executing.get():
+                return await fn(*args, **kwargs)
+            given = trl.keywords(name, fn, args, kwargs)
+            rollout = open_rollout()
+            inner = rollout.rollout
+            try:
+                result = await asyncio.wrap_future(
+                    asyncio.run_coroutine_threadsafe(inner.call(name, given), inner.loop)
+                )
+            finally:
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(inner.close(), inner.loop))
+            return trl._decode(result.output)
+
+        wrapper = acall
+    else:
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if _executing.get():
+                return fn(*args, **kwargs)
+            given = trl.keywords(name, fn, args, kwargs)
+            rollout = open_rollout()
+            try:
+                result = rollout.call(name, given)
+            finally:
+                rollout.close()
+            return trl._decode(result.output)
+
+        wrapper = call
+    return functools.update_wrapper(wrapper, fn)  # type: ignore[return-value]
+
+
+def _no_state() -> None:
+    return None
+
+
+async def _call_function(fn: Callable[..., Any], state: None, call: ToolCall) -> Any:
+    assert isinstance(call.args, dict)  # called by keyword only
+    token = _executing.set(True)
+    try:
+        return _unless_timed_out(await trl.recorded(functools.partial(fn, **call.args)))
+    finally:
+        _executing.reset(token)
 
 
 _classes: dict[type, type] = {}

@@ -208,9 +208,15 @@ async def _run(cls: Any, state: State, call: ToolCall) -> Any:
     (the same dictionary, so what the method keeps in `self` is the sandbox's new state)."""
     instance = cls.__new__(cls)
     instance.__dict__ = state
+    assert isinstance(call.args, dict)  # the tool methods are called with keyword arguments only
+    return await recorded(functools.partial(getattr(cls, call.tool), instance, **call.args))
+
+
+async def recorded(run: Callable[[], Any]) -> Any:
+    """What `run()` (a tool's call) returned, or raised, as the store keeps it: a `str` as it is, a JSON value that
+    comes back equal, else a pickle (`_decode` gives it back)."""
     try:
-        assert isinstance(call.args, dict)  # the tool methods are called with keyword arguments only
-        value = getattr(cls, call.tool)(instance, **call.args)
+        value = run()
         if inspect.isawaitable(value):
             value = await value
     except Exception as exc:
@@ -325,26 +331,34 @@ def _reset(reset: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def keywords(name: str, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a call of `function` (a tool, `self` first if it is a method) by keyword, as the cache keys
+    them. Arguments it cannot take raise the function's own `TypeError`: it is called with them, and binding fails
+    before its body runs."""
+    signature = inspect.signature(function)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        function(*args, **kwargs)
+        raise
+    given: dict[str, Any] = {}
+    for parameter, value in bound.arguments.items():
+        kind = signature.parameters[parameter].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            given.update(value)
+        elif kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY):
+            raise TypeError(f"tvcache calls tool {name!r} by keyword; {parameter!r} cannot be passed so")
+        else:
+            given[parameter] = value
+    return given
+
+
 def _tool_method(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(method)
+    self_name = next(iter(inspect.signature(method).parameters))
 
     def arguments(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        try:
-            bound = signature.bind(self, *args, **kwargs)
-        except TypeError:
-            # Arguments the method cannot take: its own call raises the TypeError TRL would see without tvcache
-            # (binding fails before the body runs).
-            method(self, *args, **kwargs)
-            raise
-        given: dict[str, Any] = {}
-        for parameter, value in list(bound.arguments.items())[1:]:  # self first
-            kind = signature.parameters[parameter].kind
-            if kind is inspect.Parameter.VAR_KEYWORD:
-                given.update(value)
-            elif kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY):
-                raise TypeError(f"cached_environment calls tool {name!r} by keyword; {parameter!r} cannot be passed so")
-            else:
-                given[parameter] = value
+        given = keywords(name, method, (self, *args), kwargs)
+        del given[self_name]
         return given
 
     wrapper: Callable[..., Any]
