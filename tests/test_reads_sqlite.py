@@ -241,9 +241,26 @@ def test_ddl_with_nothing_to_do_is_not_reused_where_it_has_something_to_do(
     assert asyncio.run(main()) == ["executed", "executed"]
 
 
-def test_ddl_with_nothing_to_do_reads_both_schemas_whole(db: Path) -> None:
+def test_ddl_with_nothing_to_do_is_unobservable(db: Path) -> None:
     (noop,) = observe(db, "DROP VIEW IF EXISTS w")
-    assert noop.changed is False and keys(noop) == {"schema:main", "schema:temp"}
+    assert noop.changed is False and noop.reads is None
+
+
+def test_a_statement_prepared_once_reports_its_reads_every_time(db: Path) -> None:
+    """sqlite3 reuses a prepared statement (the authorizer sees only its preparation) until the schema changes:
+    every execution reports the same reads, and new ones once the schema moved."""
+    first, again, _, after_ddl, _, shadowed = observe(
+        db,
+        "SELECT * FROM t1",
+        "SELECT * FROM t1",
+        "CREATE INDEX i ON t1(v)",
+        "SELECT * FROM t1",
+        "CREATE TEMP VIEW t1 AS SELECT 'temp' AS v",
+        "SELECT * FROM t1",
+    )
+    assert first.reads == again.reads and keys(first) == table("t1")
+    assert keys(after_ddl) == table("t1") and after_ddl.reads != first.reads  # t1's definition has an index now
+    assert shadowed.output == "v\ntemp" and keys(shadowed) == {"table:temp.t1", "def:temp.t1"}
 
 
 def test_virtual_tables_in_the_base_make_nothing_observable(tmp_path: Path) -> None:
@@ -286,6 +303,7 @@ READS = [
     "SELECT * FROM t1",
     "SELECT count(*) FROM t0",
     "SELECT count(*) FROM t1",
+    "SELECT v FROM t0",  # in index order where the index iv exists (a covering index scan)
     "SELECT t0.v, t1.v FROM t0 JOIN t1 USING (k)",
     "SELECT * FROM log",
     "SELECT * FROM w",  # a view: an error until some rollout creates it
@@ -308,6 +326,8 @@ WRITES = [
     "INSERT INTO t2(v) SELECT v FROM t1",
     "CREATE VIEW IF NOT EXISTS w AS SELECT t0.k, t1.v FROM t0 JOIN t1 USING (k)",
     "DROP VIEW IF EXISTS w",
+    "CREATE INDEX IF NOT EXISTS iv ON t0(v)",
+    "DROP INDEX IF EXISTS iv",
     "CREATE TRIGGER IF NOT EXISTS tr AFTER INSERT ON t0 BEGIN INSERT INTO log VALUES (new.v); END",
     "ALTER TABLE t1 ADD COLUMN w TEXT",  # unobservable: exact history from there on
     "CREATE TEMP TABLE IF NOT EXISTS t1 AS SELECT 'temp' AS v",  # shadows t1

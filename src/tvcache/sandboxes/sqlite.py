@@ -253,7 +253,9 @@ _DDL: dict[int, tuple[str, bool, int]] = {
     sqlite3.SQLITE_CREATE_TEMP_TRIGGER: ("temp", False, 2),
     sqlite3.SQLITE_DROP_TEMP_TRIGGER: ("temp", False, 2),
 }
-_HARMLESS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_RECURSIVE})
+# REINDEX rebuilds indexes from their tables (CREATE INDEX reports it too): no content any read can see changes.
+_HARMLESS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_RECURSIVE, sqlite3.SQLITE_REINDEX})
+_PREPARED = 128  # statements whose authorizer reports a sandbox keeps: sqlite3's own statement cache's size
 # The columns of EXPLAIN and EXPLAIN QUERY PLAN, which the authorizer does not report.
 _EXPLAINED = frozenset(
     {("addr", "opcode", "p1", "p2", "p3", "p4", "p5", "comment"), ("id", "parent", "notused", "detail")}
@@ -279,18 +281,24 @@ class _Seen:
     pragmas beyond introspection, and every action not named here (ALTER TABLE, REINDEX, ANALYZE, virtual
     tables, ...), and EXPLAIN (its programs name root pages).
 
-    A statement the authorizer reports nothing of is DDL that found nothing to do (`DROP VIEW IF EXISTS v`
-    without v), which would write where v exists: it reads both schemas whole.
+    A statement the authorizer reports nothing of is unobservable too: DDL that found nothing to do (`DROP VIEW IF
+    EXISTS v` without v), which would write where v exists.
     """
 
     __slots__ = ("events", "opaque", "reads", "unqualified", "writes")
 
     def __init__(self) -> None:
-        self.events = 0  # authorizer reports: none at all for DDL that found nothing to do (DROP IF EXISTS)
+        self.events = 0  # authorizer reports: none for DDL that found nothing to do, or a statement not prepared
         self.reads: set[str] = set()
         self.writes: set[str] = set()
         self.unqualified: set[str] = set()  # tables named without their schema (see `_table`)
         self.opaque: str | None = None
+
+    def copy(self) -> _Seen:
+        other = _Seen()
+        other.events, other.opaque = self.events, self.opaque
+        other.reads, other.writes, other.unqualified = set(self.reads), set(self.writes), set(self.unqualified)
+        return other
 
     def touched(self) -> set[str]:
         return self.reads | self.writes
@@ -414,6 +422,7 @@ class SQLiteSandboxes(ManagedSandboxes["SQLiteSandbox", _Snapshot]):
             raise
         self._fingerprint = f"sqlite-{FORMAT_VERSION}-{_file_digest(self._base)}"
         self._observable = _observable(self._base)
+        self._base_digests: dict[str, str] = {}  # key -> its digest in the starting state, as computed
         self._files = itertools.count(1)
 
     @classmethod
@@ -467,7 +476,10 @@ class SQLiteSandboxes(ManagedSandboxes["SQLiteSandbox", _Snapshot]):
         return {key: self._base_digest(key) for key in keys} if self._observable else {}
 
     def _base_digest(self, key: str) -> str:
-        return _hash(self._fingerprint, key)
+        digest = self._base_digests.get(key)
+        if digest is None:
+            digest = self._base_digests[key] = _hash(self._fingerprint, key)
+        return digest
 
     async def delete(self, snapshot_id: str) -> None:
         # Deleting twice is harmless: eviction and cleanup may race.
@@ -527,6 +539,8 @@ class SQLiteSandbox(ManagedSandbox):
         # statement changed what the authorizer cannot name, for good (snapshots carry it).
         self._versions: dict[str, str] | None = None
         self._seen = _Seen()  # what the running statement touched, as the authorizer reports it
+        self._temp_tables: tuple[int, frozenset[str]] | None = None  # (temp schema version, its table names)
+        self._prepared: dict[tuple[str, bytes, int], _Seen] = {}  # see `_remember`
 
     @property
     def path(self) -> Path:
@@ -584,11 +598,7 @@ class SQLiteSandbox(ManagedSandbox):
 
     def _open(self, source: _Snapshot) -> None:
         shutil.copyfile(source.main, self._path)
-        # No statement cache: the authorizer sees a statement only while it is prepared, and every statement
-        # must be seen to know what it read.
-        conn = sqlite3.connect(
-            self._path, isolation_level=None, check_same_thread=False, timeout=0, cached_statements=0
-        )
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=0)
         self._conn = conn
         self._header_fd = os.open(self._path, os.O_RDONLY)
         # The file is private and disposable: no durability needed, and temp objects stay in memory.
@@ -612,7 +622,10 @@ class SQLiteSandbox(ManagedSandbox):
         try:
             cursor = conn.cursor()
             try:
-                cursor.execute(query)
+                try:
+                    cursor.execute(query)
+                finally:
+                    self._remember(query, before)
                 output = _ok(cursor.rowcount) if cursor.description is None else format_rows(cursor)
                 if cursor.description is not None and tuple(c[0] for c in cursor.description) in _EXPLAINED:
                     self._seen.opaque = "EXPLAIN"
@@ -634,21 +647,21 @@ class SQLiteSandbox(ManagedSandbox):
                 output = f"Error: not authorized ({self._refused})"
         finally:
             self._deadline = None
-        changed = before != self._marker()
-        reads, writes = self._observed(query, changed)
-        return Outcome(output, changed=changed, reads=reads, writes=writes)
+        after = self._marker()
+        reads, writes = self._observed(query, before != after, after[2])
+        return Outcome(output, changed=before != after, reads=reads, writes=writes)
 
-    def _observed(self, query: str, changed: bool) -> tuple[dict[str, str] | None, dict[str, str] | None]:
+    def _observed(
+        self, query: str, changed: bool, temp_version: int
+    ) -> tuple[dict[str, str] | None, dict[str, str] | None]:
         """What the statement read (unchanged) or wrote (changed), as digests by key; None where unknown."""
         seen, versions = self._seen, self._versions
-        if seen.unqualified and self._internal_query(
-            "SELECT 1 FROM temp.sqlite_master WHERE type IN ('table', 'view') AND name IN"
-            f" ({', '.join('?' * len(seen.unqualified))})",
-            tuple(seen.unqualified),
-        ):
+        if versions is None:
+            return None, None
+        if seen.unqualified & self._temp_names(temp_version):
             seen.opaque = "a table named without its schema, as a temp one is"
         if not seen.events:
-            seen.failed()
+            seen.opaque = "a statement the authorizer showed nothing of"
         if versions is None or seen.opaque or (changed and not seen.writes):
             if changed:
                 self._versions = None  # lost track of the content for good
@@ -698,6 +711,27 @@ class SQLiteSandbox(ManagedSandbox):
         if self._conn is None:
             raise SandboxError("this sandbox is closed")
         return self._conn
+
+    def _remember(self, query: str, before: tuple[int, bytes, int]) -> None:
+        """The authorizer sees a statement only while it is prepared, and sqlite3 reuses a prepared statement for
+        the same text until the schema changes (then SQLite prepares it again): keep what a preparation showed,
+        by text and schema versions, for the executions that reuse it. A statement that shows nothing and is not
+        kept here (DDL that found nothing to do, or a preparation forgotten) is unobservable."""
+        key = (query, before[1][4:], before[2])  # the schema cookie and the temp schema's version
+        seen = self._seen
+        if seen.events:
+            if len(self._prepared) >= _PREPARED and key not in self._prepared:
+                del self._prepared[next(iter(self._prepared))]
+            self._prepared[key] = seen.copy()
+        elif key in self._prepared:
+            self._seen = self._prepared[key].copy()
+
+    def _temp_names(self, version: int) -> frozenset[str]:
+        """The names of the temp schema's tables and views, read again only when its version moved."""
+        if self._temp_tables is None or self._temp_tables[0] != version:
+            rows = self._internal_query("SELECT name FROM temp.sqlite_master WHERE type IN ('table', 'view')")
+            self._temp_tables = (version, frozenset(name for (name,) in rows))
+        return self._temp_tables[1]
 
     def _marker(self) -> tuple[int, bytes, int]:
         """What moves whenever a statement changes the state (see the module docstring)."""
