@@ -15,6 +15,7 @@ import re
 import sqlite3
 import subprocess
 import tempfile
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -670,8 +671,6 @@ def test_cached_function_shows_the_model_what_art_alone_shows_and_pays_the_same(
 def test_a_cached_function_called_inside_a_cached_tool_runs_as_part_of_it() -> None:
     """A tool method that calls a decorated function: on a miss the function runs inside the method's execution (on
     the cache's thread, where waiting for the cache would hang), and a hit answers the method as a whole."""
-    import threading
-
     from tvcache.integrations.art import cached_function, cached_tools, results
 
     make_inbox()
@@ -699,3 +698,41 @@ def test_a_cached_function_called_inside_a_cached_tool_runs_as_part_of_it() -> N
     assert not worker.is_alive(), "a call never answered"
     cache.close()
     assert answers == [(2, False, ["m0", "m7"]), (2, True, ["m0", "m7"])]
+
+
+def test_tools_made_inside_a_rollout_are_told_apart_by_what_they_capture() -> None:
+    """A tool function, or a class, defined inside the rollout function captures the scenario: the same source with
+    other captured values is another scope, never answered from the first one's results; a capture that cannot be
+    told apart (it does not pickle) is a clear error, unless `fingerprint=` names it."""
+    from tvcache.integrations.art import cached_function, cached_tools
+
+    def make_function(inbox: tuple[str, ...]) -> Callable[[str], list[str]]:
+        def search(keyword: str) -> list[str]:
+            return [subject for subject in inbox if keyword in subject]
+
+        return search
+
+    def make_class(inbox: tuple[str, ...]) -> type:
+        class Box:
+            def search(self, keyword: str) -> list[str]:
+                return [subject for subject in inbox if keyword in subject]
+
+        return Box
+
+    with tvcache.SyncToolCache() as cache:
+        found = []
+        for inbox in (("offsite friday",), ("offsite monday",), ("offsite friday",)):
+            found.append(cached_function(make_function(inbox), cache=cache)("offsite"))
+            found.append(cached_tools(make_class(inbox)(), cache=cache).search("offsite"))
+        assert found == [["offsite friday"]] * 2 + [["offsite monday"]] * 2 + [["offsite friday"]] * 2
+        assert cache.stats()["hits"] == 2  # the third inbox is the first one again
+
+        lock = threading.Lock()
+
+        def locked(keyword: str) -> str:
+            with lock:
+                return keyword
+
+        with pytest.raises(TypeError, match=r"locked captures .*lock.* fingerprint="):
+            cached_function(locked, cache=cache)
+        assert cached_function(locked, cache=cache, fingerprint="v1")("x") == "x"

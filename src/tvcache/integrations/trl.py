@@ -118,9 +118,11 @@ class _Episode:
         task: Callable[[Row], str],
         tools: Tools | None,
         run: Callable[[Any, State, ToolCall], Awaitable[Any]] | None = None,
+        salt: bytes = b"",
     ):
         self.cls, self.cache, self.task, self.tools = cls, cache, task, tools
         self.run = run or _run  # how a tool method runs in the sandbox (ART's treats timeouts as failures)
+        self.salt = salt  # more that names the class's behaviour (ART: what its methods capture)
         self.rollout: SyncRollout | None = None
         self.results: list[Result] = []
         self.resetting = False  # the user's reset is running: its own tool calls are part of the root state
@@ -137,7 +139,7 @@ class _Episode:
                 "__getstate__/__setstate__ (a sqlite3 connection: serialize()/deserialize())"
             ) from exc
         # The class's source and how its methods run (TRL records a timeout, ART does not) name the behaviour.
-        behaviour = _source(self.cls) + f"\0{self.run.__module__}.{self.run.__qualname__}\0".encode()
+        behaviour = _source(self.cls) + f"\0{self.run.__module__}.{self.run.__qualname__}\0".encode() + self.salt
         fingerprint = hashlib.blake2b(behaviour + root, digest_size=16).hexdigest()
         cls, run = self.cls, self.run
         sandboxes = process_sandboxes(
