@@ -130,6 +130,8 @@ def test_the_trace_parser_refuses_what_it_cannot_place() -> None:
     assert not lost.complete  # no exit of the shell: the tracer may have died
     wrote = parse('1 openat(AT_FDCWD</>, "/testbed/f", O_WRONLY|O_CREAT|O_TRUNC, 0666) = 3</testbed/f>')
     assert wrote.written == {"/testbed/f"}
+    assert _reads.shell_ended(b"...\n7 +++ exited with 0 +++\n1     exit_group(0)                     = ?\n")
+    assert not _reads.shell_ended(b"...\n12    exit_group(0) = ?\n")  # another process's exit
     sock = parse("1 connect(3<socket:[1]>, {sa_family=AF_INET, sin_port=htons(80)}, 16) = -1 ENETUNREACH (x)")
     assert sock.hazard is not None and "connection" in sock.hazard
 

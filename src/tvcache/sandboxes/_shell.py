@@ -95,6 +95,8 @@ class CommandResult:
     """False when the shell never ran the command (the sandbox machinery failed; `output` says why)."""
     trace: bytes | None = None
     """What the tracer wrote (see `run_bash`'s `tracer`), or None when not traced or beyond its size limit."""
+    trace_tail: bytes = b""
+    """The last 64 KiB the tracer wrote (all of it may not fit `trace`)."""
 
 
 class BoundedOutput:
@@ -119,6 +121,10 @@ class BoundedOutput:
 
     def head(self) -> bytes:
         return bytes(self._head)
+
+    def last(self, n: int) -> bytes:
+        """The last `n` bytes fed (fewer if fewer were)."""
+        return bytes((self._head + self._tail)[-n:]) if self.total <= self.limit else bytes(self._tail[-n:])
 
     def text(self) -> str:
         if self.total <= self.limit:
@@ -394,4 +400,5 @@ async def run_bash(
     exit_code = code if code >= 0 else 128 - code
     traced = trace.head() if trace_r is not None and trace.total <= trace_limit else None
     new_state = parse_state(dump.head()[len(_STARTED) :], state)
-    return CommandResult(output.text(), exit_code, False, new_state, started, traced)
+    tail = trace.last(1 << 16) if trace_r is not None else b""
+    return CommandResult(output.text(), exit_code, False, new_state, started, traced, tail)

@@ -523,6 +523,7 @@ class WorkspaceSandbox(ManagedSandbox):
             root = self.root
             failure = None
             trace: bytes | None = None
+            tail = b""
             if self._factory.read_sets and self._uppers is None:
                 self._uppers = await asyncio.to_thread(self._index_uppers)
             if tool == "bash":
@@ -539,7 +540,7 @@ class WorkspaceSandbox(ManagedSandbox):
                 output: dict[str, Any] = {"output": result.output, "exit_code": result.exit_code}
                 state = result.state
                 failure = self._limit_hit(hits)
-                trace = result.trace
+                trace, tail = result.trace, result.trace_tail
             elif tool == "read_file":
                 output = fast.read_file(root, state.cwd, args["path"], self._ctx.max_output)
             elif tool == "write_file":
@@ -555,7 +556,7 @@ class WorkspaceSandbox(ManagedSandbox):
                 return Outcome({**output, "error": failure}, changed, True)
             if not self._factory.read_sets:
                 return Outcome(output, changed)
-            return await self._observed(call, output, changed, files_changed, before, trace)
+            return await self._observed(call, output, changed, files_changed, before, trace, tail)
 
     async def _observed(
         self,
@@ -565,14 +566,15 @@ class WorkspaceSandbox(ManagedSandbox):
         files_changed: bool,
         before: ShellState,
         trace: bytes | None,
+        tail: bytes,
     ) -> Outcome:
         """The outcome with its read set (see _reads) and, for a state-changing call, its write set."""
         reads: dict[str, str] | None = None
         root, cache = self.root, self._factory._digest_cache
         path = call.args.get("path", "") if isinstance(call.args, dict) else ""
         if call.tool == "bash" and self._factory._tracer is not None:
-            parsed = None if trace is None else _reads.parse_trace(trace)
-            if parsed is not None and not parsed.complete:
+            parsed = None if trace is None else await asyncio.to_thread(_reads.parse_trace, trace)
+            if not (parsed.complete if parsed is not None else _reads.shell_ended(tail)):
                 # The tracer died before the shell (killed by the command?): traced system calls after its death
                 # failed with ENOSYS, so the output may be unlike an untraced run's; never cache it.
                 why = "the read tracer ended before the command did (was it killed?)"

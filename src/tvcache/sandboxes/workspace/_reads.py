@@ -59,10 +59,11 @@ __all__ = [
     "find_strace",
     "parse_trace",
     "shell_digest",
+    "shell_ended",
     "strace_argv",
 ]
 
-#: The system calls traced: everything that takes a path, listings, fstat, the working directory, processes
+#: The system calls traced: everything that takes a path, listings, the working directory, processes
 #: (for the working directory a child inherits), the shell's exit (the trace's completeness), sockets.
 _TRACED = "%file,getdents64,getdents,fchdir,exit_group,clone,clone3,fork,vfork,connect,bind"
 #: Devices and kernel files whose reads are the same in every sandbox: tty (no sandbox has a controlling terminal,
@@ -191,6 +192,11 @@ class Trace:
     def unsound(self, why: str) -> None:
         if self.hazard is None:
             self.hazard = why
+
+
+def shell_ended(tail: bytes) -> bool:
+    """Does the end of a trace record the shell's exit (see `Trace.complete`)?"""
+    return re.search(rb"(^|\n)1 +exit_group\(", tail) is not None
 
 
 def _split_args(args: str) -> list[str]:
