@@ -188,7 +188,7 @@ async def _workspace(
 
     if (base is None) == (image is None):
         raise ValueError("--sandbox workspace needs --base DIR or --image IMAGE (one of them)")
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"read_sets": True}  # reuse by what a call read, for tvcache's strategy
     if timeout is not None and "timeout" in inspect.signature(WorkspaceSandboxes).parameters:
         options["timeout"] = timeout
     if image is not None:
