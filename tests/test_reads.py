@@ -16,7 +16,7 @@ import pytest
 import tvcache
 from redis_server import redis_cluster, redis_server  # noqa: F401  (fixtures for the redis stores)
 from server_helpers import Server
-from test_stores import ROOT, SCOPE
+from test_stores import ROOT, SCOPE, make_store
 from tvcache.graph import EDGE, MAX_CANDIDATES, MEMO, Candidate, Entry
 from tvcache.reads import Writes, choose
 from tvcache.sandboxes.base import BaseDigests
@@ -34,22 +34,12 @@ INSERT INTO a VALUES ('a0'); INSERT INTO b VALUES ('b0');
 
 @pytest.fixture(params=["memory", "sqlite", "redis", "redis-cluster", "http"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    s: Any
     server = None
-    if request.param == "memory":
-        s = MemoryStore()
-    elif request.param == "sqlite":
-        s = SQLiteStore(tmp_path / "c.db")
-    elif request.param == "http":  # a real `tvcache serve` in a subprocess, over a SQLite file
+    if request.param == "http":  # a real `tvcache serve` in a subprocess, over a SQLite file
         server = Server(tmp_path, f"sqlite:///{tmp_path}/served.db").start()
         s = tvcache.stores.open_store(server.url)
     else:
-        pytest.importorskip("redis", reason="the redis package (redis-py) is not installed")
-        from tvcache.stores.redis import RedisStore
-
-        redis = request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
-        redis.flush()
-        s = RedisStore(redis.url)
+        s = make_store(request.param, request, tmp_path)
     yield s
     asyncio.run(s.close())
     if server is not None:

@@ -31,20 +31,24 @@ ROOT = SCOPE.root
 D1, D2 = b"1" * 16, b"2" * 16
 
 
+def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """A store of `kind`: memory, sqlite, redis or redis-cluster (a real server, or 3-node cluster, started once per
+    session and emptied here)."""
+    if kind == "memory":
+        return MemoryStore()
+    if kind == "sqlite":
+        return SQLiteStore(tmp_path / "c.db")
+    pytest.importorskip("redis", reason="the redis package (redis-py) is not installed")
+    from tvcache.stores.redis import RedisStore
+
+    server = request.getfixturevalue("redis_server" if kind == "redis" else "redis_cluster")
+    server.flush()
+    return RedisStore(server.url)
+
+
 @pytest.fixture(params=["memory", "sqlite", "redis", "redis-cluster"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    s: Any
-    if request.param == "memory":
-        s = MemoryStore()
-    elif request.param == "sqlite":
-        s = SQLiteStore(tmp_path / "c.db")
-    else:  # a real server (or 3-node cluster) started once per session, emptied for each test
-        pytest.importorskip("redis", reason="the redis package (redis-py) is not installed")
-        from tvcache.stores.redis import RedisStore
-
-        server = request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
-        server.flush()
-        s = RedisStore(server.url)
+    s = make_store(request.param, request, tmp_path)
     yield s
     asyncio.run(s.close())
 
