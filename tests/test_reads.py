@@ -335,3 +335,28 @@ def test_tvcache_stats_counts_read_set_hits(db: Path, tmp_path: Path) -> None:
     assert int(rows["of which by what the call read (read sets)"]) == client["read_set_hits"] == 1
     assert int(rows["hits"]) == client["hits"] == 2
     assert int(rows["records (executions)"]) == client["executions"] == 3
+
+
+def test_remote_sandboxes_carry_read_sets(db: Path, tmp_path: Path) -> None:
+    """A SQLite sandbox on a `tvcache sandbox-server` reports its reads and writes, and the server its starting
+    state's digests, so a rollout on remote sandboxes reuses by what a call read as it does in process."""
+    from server_helpers import SandboxServer
+
+    with SandboxServer(tmp_path, ["--sandbox", "sqlite", "--base", str(db)]) as server:
+
+        async def main() -> tuple[list[str], dict[str, str]]:
+            boxes = tvcache.RemoteSandboxes(server.url)
+            try:
+                async with tvcache.ToolCache() as cache:
+                    sources = [r.source for r in await two_rollouts(cache, boxes, ["SELECT * FROM b"])]
+                    return sources, dict(await boxes.base_digests(["table:main.b"]))
+            finally:
+                await boxes.close()
+
+        sources, base = asyncio.run(main())
+
+    async def local() -> Any:
+        async with SQLiteSandboxes(db) as boxes:
+            return await boxes.base_digests(["table:main.b"])
+
+    assert sources == ["reads"] and base == asyncio.run(local())

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from ..calls import ToolCall
 from ..sandboxes.base import Sandboxes
 from ..sandboxes.remote.wire import (
+    BaseDigestsRequest,
     CreateRequest,
     ExecuteReply,
     ExecuteRequest,
@@ -44,6 +45,12 @@ SANDBOX_ENDPOINTS: list[Endpoint] = [
     operation("close", SandboxRequest, None, "Close a sandbox. Idempotent."),
     operation("delete", SnapshotRequest, None, "Delete a snapshot. Idempotent."),
     operation("renew", RenewRequest, list[str], "Renew the leases of live sandboxes; the ids that are gone."),
+    operation(
+        "base_digests",
+        BaseDigestsRequest,
+        dict[str, str] | None,
+        "The starting state's digests of state keys (null: the backend cannot tell them).",
+    ),
     operation("info", None, InfoReply, "What this server serves: its id, fingerprint, limits and load."),
     operation("sandboxes", None, Listing, "The live sandboxes and the snapshots, oldest first."),
     HEALTHZ,
@@ -120,8 +127,10 @@ class SandboxApp(JSONApi):
             call = ToolCall(req.tool, req.args)
         except (TypeError, ValueError) as exc:
             raise HTTPError(400, f"invalid tool call: {exc}") from None
-        output, changed, error = await self.pool.execute(req.sandbox, call)
-        return ExecuteReply(output, changed, error)
+        return await self.pool.execute(req.sandbox, call)
+
+    async def _base_digests(self, req: BaseDigestsRequest, receive: Receive) -> dict[str, str] | None:
+        return await self.pool.base_digests(req.keys)
 
     async def _snapshot(self, req: SandboxRequest, receive: Receive) -> SnapshotReply:
         return SnapshotReply(await self.pool.snapshot(req.sandbox))

@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 from ..calls import ToolCall
 from ..graph import encode_output
-from ..sandboxes.base import Outcome, Sandbox, Sandboxes
-from ..sandboxes.remote.wire import InfoReply, Listing, SandboxInfo, SnapshotInfo
+from ..sandboxes.base import BaseDigests, Outcome, Sandbox, Sandboxes
+from ..sandboxes.remote.wire import ExecuteReply, InfoReply, Listing, SandboxInfo, SnapshotInfo
 from ..version import __version__
 
 __all__ = [
@@ -164,8 +164,8 @@ class SandboxPool:
         self.counts.restores += 1
         return sandbox
 
-    async def execute(self, sandbox: str, call: ToolCall) -> tuple[bytes, bool | None, bool]:
-        """The call's encoded output, whether it changed the state, and whether it failed."""
+    async def execute(self, sandbox: str, call: ToolCall) -> ExecuteReply:
+        """The call's encoded output, whether it changed the state, whether it failed, what it read and wrote."""
         live = self._get(sandbox)
         async with live.lock:
             if live.closed:
@@ -197,8 +197,16 @@ class SandboxPool:
             note = (
                 f"[tvcache sandbox server: an output of {len(blob):,} bytes is over its {self.max_output:,}-byte limit]"
             )
-            return encode_output(note), outcome.changed, True
-        return blob, outcome.changed, outcome.error
+            return ExecuteReply(encode_output(note), outcome.changed, True)
+        reads = dict(outcome.reads) if outcome.reads is not None else None
+        writes = dict(outcome.writes) if outcome.writes is not None else None
+        return ExecuteReply(blob, outcome.changed, outcome.error, reads, writes)
+
+    async def base_digests(self, keys: list[str]) -> dict[str, str] | None:
+        """The starting state's digests of `keys`, or None if the backend cannot tell them (`BaseDigests`)."""
+        if not isinstance(self.factory, BaseDigests):
+            return None
+        return dict(await self._backend(self.factory.base_digests(keys)))
 
     async def snapshot(self, sandbox: str) -> str:
         live = self._get(sandbox)

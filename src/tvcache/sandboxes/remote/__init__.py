@@ -36,7 +36,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -46,6 +46,7 @@ from ...extras import require
 from ...graph import decode_output
 from ..base import Outcome, SandboxBusy, SandboxError, SnapshotGone, ToolError
 from .wire import (
+    BaseDigestsRequest,
     CreateRequest,
     ExecuteReply,
     ExecuteRequest,
@@ -189,6 +190,22 @@ class RemoteSandboxes:
             raise
         server.load = reply.live
         return self._hold(server, reply.sandbox)
+
+    async def base_digests(self, keys: Collection[str]) -> Mapping[str, str]:
+        """The starting state's digests (reuse by what a call read), from a server that answers: every server
+        starts from the same state. None from the server (its backend cannot tell them) matches nothing."""
+        now = time.monotonic()
+        failures = []
+        for server in sorted(self._servers, key=lambda s: s.down_until > now):
+            try:
+                found: dict[str, str] | None = await self._call(
+                    server, "base_digests", BaseDigestsRequest(list(keys)), dict[str, str] | None
+                )
+            except SandboxError as exc:
+                failures.append(str(exc))
+                continue
+            return found or {}
+        raise SandboxError("no sandbox server told the starting state's digests: " + "; ".join(failures))
 
     async def delete(self, snapshot_id: str) -> None:
         try:
@@ -340,7 +357,7 @@ class RemoteSandbox:
         deadline = server.timeout + MARGIN
         request = ExecuteRequest(self.id, call.tool, call.args)
         reply: ExecuteReply = await self._factory._call(server, "execute", request, ExecuteReply, deadline)
-        return Outcome(decode_output(reply.output), reply.changed, reply.error)
+        return Outcome(decode_output(reply.output), reply.changed, reply.error, reply.reads, reply.writes)
 
     async def snapshot(self) -> str:
         reply: SnapshotReply = await self._factory._call(
@@ -365,4 +382,4 @@ class RemoteSandbox:
         return f"RemoteSandbox({self.id} on {self._server.url})"
 
 
-_OPERATIONS = ("create", "restore", "execute", "snapshot", "close", "delete", "renew", "info")
+_OPERATIONS = ("create", "restore", "execute", "snapshot", "close", "delete", "renew", "info", "base_digests")

@@ -19,6 +19,7 @@ import msgspec
 from ...jsonhttp import ErrorReply
 
 __all__ = [
+    "BaseDigestsRequest",
     "CreateRequest",
     "ErrorReply",
     "ExecuteReply",
@@ -34,6 +35,7 @@ __all__ = [
 ]
 
 MAX_RENEW = 100_000
+MAX_KEYS = 100_000  # state keys in one base_digests request
 
 ServerId = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{12}$", description="a sandbox server process's id")]
 SandboxId = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{24}$", description="a live sandbox, made by the server")]
@@ -98,6 +100,12 @@ class ExecuteReply(msgspec.Struct, frozen=True):
     output: Annotated[bytes, msgspec.Meta(description="the tool output as tvcache's msgpack encoding, base64")]
     changed: bool | None
     error: bool
+    reads: dict[str, str] | None = None  # what the call read, by state key (reuse by what a call read)
+    writes: dict[str, str] | None = None  # what it wrote
+
+
+class BaseDigestsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    keys: Annotated[list[Annotated[str, msgspec.Meta(max_length=8192)]], msgspec.Meta(max_length=MAX_KEYS)]
 
 
 class InfoReply(msgspec.Struct, frozen=True):
