@@ -240,6 +240,38 @@ def test_the_fingerprint_follows_the_code() -> None:
     assert tvcache.ToolFunctions([one], fingerprint="v7").sandboxes.fingerprint == "v7"
 
 
+def test_the_fingerprint_follows_what_a_tool_captures() -> None:
+    """Tools made per task by a function, over the task's data: the same source over other data must not share
+    results (it did: the second inbox got the first one's answer); a capture that cannot be told apart is refused."""
+    import threading
+
+    def make(inbox: list[str]) -> Any:
+        def search(keyword: str) -> list[str]:
+            return [subject for subject in inbox if keyword in subject]
+
+        return search
+
+    async def main() -> list[Any]:
+        async with tvcache.ToolCache() as cache:
+            found = []
+            for inbox in (["offsite friday"], ["offsite monday"]):
+                tools = tvcache.ToolFunctions([make(inbox)])
+                async with cache.rollout("inbox", tools.sandboxes) as r:
+                    found.append((await r.call("search", {"keyword": "offsite"})).output)
+            return found
+
+    assert asyncio.run(main()) == [["offsite friday"], ["offsite monday"]]
+    lock = threading.Lock()
+
+    def guarded(x: int) -> int:
+        with lock:
+            return x
+
+    with pytest.raises(TypeError, match=r"guarded captures .*lock.*fingerprint="):
+        tvcache.ToolFunctions([guarded])
+    assert tvcache.ToolFunctions([guarded], fingerprint="v1").sandboxes.fingerprint == "v1"
+
+
 def test_async_tools_and_stateless_tools_are_memos() -> None:
     async def lookup(code: str) -> str:
         """Name an airport."""

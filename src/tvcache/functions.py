@@ -33,9 +33,11 @@ round trip of the value (tuples come back as lists).
 from `rollout.call(*tvcache.parse_tool_call(...))` and get an error text as their output, the same every time,
 cached or not. An exception raised inside a tool reaches the caller and is never cached.
 
-**Fingerprint.** By default a hash of each tool's name and source code and of the state factory's: editing a
-tool gives its results a new cache scope. Code the tools call is not part of it; pass `fingerprint=` (a data
-version, say) when behaviour can change elsewhere.
+**Fingerprint.** By default a hash of each tool's name and source code and of the state factory's, and of the
+values a tool captures from the code that made it (a tool made per task over the task's data is told apart from
+the same source over other data; a capture that does not pickle is a `TypeError` asking for `fingerprint=`):
+editing a tool gives its results a new cache scope. Code the tools call is not part of it; pass `fingerprint=` (a
+data version, say) when behaviour can change elsewhere.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ import asyncio
 import functools
 import hashlib
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+import io
+import pickle
+import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from .calls import ToolCall
@@ -257,7 +262,44 @@ def _fingerprint(functions: Mapping[str, Function], state: Callable[[], Any] | N
     h = hashlib.blake2b(digest_size=16)
     for name, fn in [*sorted(functions.items()), ("<state>", state)]:
         h.update(f"\0{name}\0{_code_of(fn)}".encode())
+        if inspect.isfunction(fn):  # what a tool made by other code captured from it is part of its behaviour
+            h.update(captured([fn], name, "pass fingerprint= to name them"))
     return "fn-" + h.hexdigest()
+
+
+def captured(functions: Sequence[Any], who: str, otherwise: str) -> bytes:
+    """A digest of the values `functions` capture from the code that made them (a closure's cells: the task's data
+    a tool made per task sees), so that the same source capturing other values is another scope; empty when they
+    capture nothing (`super()`'s cell is the class itself and says nothing more). A capture that does not pickle
+    raises `TypeError`: `who` captures ..., `otherwise` says what to do."""
+    cells = [
+        (function.__qualname__, name, cell.cell_contents)
+        for function in functions
+        for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True)
+        if name != "__class__"
+    ]
+    if not cells:
+        return b""
+    buffer = io.BytesIO()
+    try:
+        _Digest(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(cells)
+    except Exception as exc:
+        names = ", ".join(sorted({name for _, name, _ in cells}))
+        raise TypeError(
+            f"{who} captures values that do not pickle ({names}: {type(exc).__name__}: {exc}), so tvcache cannot "
+            f"tell one capture from another; {otherwise}"
+        ) from exc
+    return hashlib.blake2b(buffer.getvalue(), digest_size=16).digest()
+
+
+class _Digest(pickle.Pickler):
+    """Pickles for a digest only: a function as its name and source (a captured tool function, decorated or not,
+    need not be importable under its name)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.FunctionType):
+            return (str, (f"{obj.__module__}.{obj.__qualname__}\0{_code_of(obj)}",))
+        return NotImplemented
 
 
 def _code_of(obj: Any) -> str:

@@ -64,19 +64,16 @@ import asyncio
 import contextlib
 import contextvars
 import functools
-import hashlib
 import inspect
-import io
 import pickle
 import subprocess
-import types
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, ParamSpec, TypeVar
 
 from ..cache import ToolCache
 from ..calls import ToolCall, Tools
-from ..functions import _code_of, _fingerprint
+from ..functions import _fingerprint, captured
 from ..rollout import Result
 from ..sandboxes.base import Sandboxes
 from ..sandboxes.python import PythonSandboxes
@@ -115,8 +112,8 @@ def cached_tools(
         raise TypeError(f"this {cls.__qualname__} already goes through tvcache")
     name = task if task is not None else f"{cls.__module__}.{cls.__qualname__}"
     methods = [method for _, method in inspect.getmembers(cls, predicate=inspect.isfunction)]
-    captured = _captured(methods, f"{cls.__qualname__}'s methods", "define the class at module level")
-    episode = trl._Episode(cls, cache, lambda _row: name, tools, run=_run, salt=captured)
+    salt = captured(methods, f"{cls.__qualname__}'s methods", "define the class at module level")
+    episode = trl._Episode(cls, cache, lambda _row: name, tools, run=_run, salt=salt)
     try:
         episode.open(obj, {})
     except TypeError as exc:  # the state does not pickle: say so in ART's terms
@@ -197,10 +194,8 @@ def cached_function(fn: F, *, cache: SyncToolCache | None = None, fingerprint: s
         raise TypeError(f"cached_function takes a tool function (def or async def), got {fn!r}")
     name = fn.__name__
     task = f"{fn.__module__}.{fn.__qualname__}"
-    if fingerprint is None:
-        captured = _captured([fn], name, "pass fingerprint= to name them")
-        fingerprint = f"{_fingerprint({name: fn}, None)}-{captured.hex()}"
-    scope = fingerprint  # one factory per code and scope: a function made per rollout does not add one each time
+    scope = fingerprint or _fingerprint({name: fn}, None)  # its source and what it captures
+    # One factory per code and scope: a function made per rollout does not add one each time.
     boxes = process_sandboxes(
         ("tvcache.art-function", fn.__code__, scope),
         lambda: PythonSandboxes(_no_state, functools.partial(_call_function, fn), scope),
@@ -242,40 +237,6 @@ def cached_function(fn: F, *, cache: SyncToolCache | None = None, fingerprint: s
 
         wrapper = call
     return functools.update_wrapper(wrapper, fn)  # type: ignore[return-value]
-
-
-def _captured(functions: Sequence[Any], who: str, otherwise: str) -> bytes:
-    """A digest of the values `functions` capture from the code that made them (a closure's cells: the scenario a
-    tool defined inside the rollout function sees), so that the same source capturing other values is another
-    scope; `super()`'s cell is the class itself and says nothing more."""
-    cells = [
-        (function.__qualname__, name, cell.cell_contents)
-        for function in functions
-        for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True)
-        if name != "__class__"
-    ]
-    if not cells:
-        return b""
-    buffer = io.BytesIO()
-    try:
-        _Digest(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(cells)
-    except Exception as exc:
-        names = ", ".join(sorted({name for _, name, _ in cells}))
-        raise TypeError(
-            f"{who} captures values that do not pickle ({names}: {type(exc).__name__}: {exc}), so tvcache cannot "
-            f"tell one capture from another; {otherwise}"
-        ) from exc
-    return hashlib.blake2b(buffer.getvalue(), digest_size=16).digest()
-
-
-class _Digest(pickle.Pickler):
-    """Pickles for a digest only: a function as its name and source (a captured tool function, decorated or not,
-    need not be importable under its name)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, types.FunctionType):
-            return (str, (f"{obj.__module__}.{obj.__qualname__}\0{_code_of(obj)}",))
-        return NotImplemented
 
 
 def _no_state() -> None:
