@@ -9,6 +9,7 @@ shows they are strong enough to catch a cache that reuses an answer whose inputs
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import sqlite3
 from pathlib import Path
@@ -408,3 +409,72 @@ def test_rollouts_in_any_order_share_reads(db: Path) -> None:
 
     got, stats = asyncio.run(main())
     assert (got[2][1], got[2][2]) == (got[0][1], got[1][1]) and stats["read_set_hits"] == 2
+
+
+# -- replays judge read-set hits --------------------------------------------------------------------------------
+
+
+class Forgetful:
+    """SQLite sandboxes whose read-only calls claim to have read nothing: what a tracer that loses reads would
+    report. Used to plant wrong read-set hits."""
+
+    def __init__(self, inner: SQLiteSandboxes):
+        self.inner, self.fingerprint = inner, inner.fingerprint
+
+    async def create(self) -> Any:
+        return _Forgetful(await self.inner.create())
+
+    async def restore(self, snapshot_id: str) -> Any:
+        return _Forgetful(await self.inner.restore(snapshot_id))
+
+    async def delete(self, snapshot_id: str) -> None:
+        await self.inner.delete(snapshot_id)
+
+    async def base_digests(self, keys: Any) -> Any:
+        return await self.inner.base_digests(keys)
+
+
+class _Forgetful:
+    def __init__(self, box: Sandbox):
+        self.box = box
+
+    async def execute(self, call: ToolCall) -> Outcome:
+        outcome = await self.box.execute(call)
+        return dataclasses.replace(outcome, reads={} if outcome.reads is not None else None)
+
+    async def snapshot(self) -> str:
+        return await self.box.snapshot()
+
+    async def close(self) -> None:
+        await self.box.close()
+
+
+def test_replays_count_read_set_hits_and_judge_each(db: Path) -> None:
+    """A replay counts read-set hits on their own and checks each against the uncached answer: right ones from the
+    SQLite sandbox, and wrong ones, counted as incorrect, from sandboxes that lose what calls read."""
+    from tvcache_bench.replay import ReplayOptions, replay_strategies
+    from tvcache_bench.traces import Trace, TraceCall
+    from tvcache_bench.workload import Workload
+
+    def sql(*queries: str) -> list[TraceCall]:
+        return [TraceCall("sql", {"query": q}) for q in queries]
+
+    traces = [
+        Trace("t", "r0", "", sql("INSERT INTO t0(v) VALUES ('x')", "SELECT * FROM t1", "SELECT * FROM t0")),
+        Trace("t", "r1", "", sql("INSERT INTO log VALUES ('l')", "SELECT * FROM t1", "SELECT * FROM t0")),
+    ]
+    options = ReplayOptions(concurrency=1, progress=False)
+
+    async def main(forget: bool) -> dict[str, Any]:
+        async with SQLiteSandboxes(db) as boxes:
+            factory: Any = Forgetful(boxes) if forget else boxes
+            workload = Workload("reads", traces, lambda task: factory, tvcache.Tools())
+            result = await replay_strategies(workload, ["none", "exact", "tvcache"], options)
+            return dict(result.summary()["strategies"])
+
+    honest = asyncio.run(main(False))
+    assert (honest["tvcache"]["read_set_hits"], honest["tvcache"]["incorrect_read_set_hits"]) == (1, 0)
+    assert (honest["exact"]["read_set_hits"], honest["tvcache"]["hits"] - honest["exact"]["hits"]) == (0, 1)
+    lying = asyncio.run(main(True))
+    assert (lying["tvcache"]["read_set_hits"], lying["tvcache"]["incorrect_read_set_hits"]) == (2, 1)
+    assert lying["tvcache"]["incorrect_hits"] == 1 and lying["exact"]["incorrect_hits"] == 0
