@@ -34,6 +34,7 @@ class FaultyBox:
     async def snapshot(self) -> str:
         if self.factory.snapshot_gate is not None:  # a snapshot that takes as long as the test says
             await self.factory.snapshot_gate.wait()
+        await asyncio.sleep(self.factory.snapshot_delay)  # what saving a bigger state costs (a layer, a commit)
         snapshot_id = await self.inner.snapshot()
         self.factory.snapshots.append(snapshot_id)
         return str(snapshot_id)
@@ -50,6 +51,7 @@ class FaultySandboxes:
         self.inner = inner
         self.fault: Callable[[ToolCall], str | None] | None = None
         self.snapshot_gate: asyncio.Event | None = None
+        self.snapshot_delay = 0.0
         self.open: set[FaultyBox] = set()
         self.deleted: list[str] = []
         self.snapshots: list[str] = []  # every snapshot its sandboxes made

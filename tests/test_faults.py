@@ -101,6 +101,7 @@ def test_restoring_a_deleted_snapshot_falls_back_and_forgets_it() -> None:
         async with tvcache.ToolCache() as cache:
             async with cache.rollout("t", boxes, kv.TOOLS) as r:
                 await r.call("write", slow)
+            await cache.flush()
             (record,) = await cache.store.snapshots(cache.scope("t", boxes).key)
             await boxes.inner.delete(record.snapshot_id)  # gone behind the cache's back
             async with cache.rollout("t", boxes, kv.TOOLS) as r:
@@ -122,6 +123,7 @@ def test_a_lost_deepest_snapshot_falls_back_to_the_next_shallower_one() -> None:
             async with cache.rollout("t", boxes, kv.TOOLS) as r:
                 for tool, args in path:
                     await r.call(tool, args)
+            await cache.flush()
             records = await cache.store.snapshots(cache.scope("t", boxes).key)
             assert len(records) == 3  # one per slow write
             deepest = max(records, key=lambda rec: rec.last_used)
@@ -152,6 +154,7 @@ def test_a_busy_restore_takes_another_route_and_keeps_the_snapshot() -> None:
         async with tvcache.ToolCache() as cache:
             async with cache.rollout("t", boxes, kv.TOOLS) as r:
                 await r.call("write", slow)
+            await cache.flush()
             (record,) = await cache.store.snapshots(cache.scope("t", boxes).key)
             async with cache.rollout("t", boxes, kv.TOOLS) as r:
                 await r.call("write", slow)

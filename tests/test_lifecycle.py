@@ -1,8 +1,8 @@
 """The edges of an object's life, each reproduced as a failing test before it was fixed: a call cancelled
-between making a sandbox and keeping it, a snapshot cancelled between making and recording it, a prefetch that
-fails or is cancelled, a call inside the rollout's own `sandbox()` block, use after close, a restore that fails
-once, a store that fails after a call ran, a `SyncToolCache` whose constructor fails, a detached rollout after a
-bad call."""
+between making a sandbox and keeping it, a rollout cancelled and closed between making a snapshot and recording
+it, a prefetch that fails or is cancelled, a call inside the rollout's own `sandbox()` block, use after close, a
+restore that fails once, a store that fails after a call ran, a `SyncToolCache` whose constructor fails, a
+detached rollout after a bad call."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ async def record_path(cache: tvcache.ToolCache, boxes: Any) -> None:
     async with cache.rollout("t", boxes, kv.TOOLS) as r:
         for tool, args in PATH:
             await r.call(tool, args)
+    await cache.flush()  # the path's snapshots are in the graph
 
 
 async def recorded(cache: tvcache.ToolCache, boxes: Any) -> set[str]:
@@ -62,16 +63,22 @@ def test_a_call_cancelled_after_its_restore_during_the_unlease_leaks_no_sandbox(
     asyncio.run(main())
 
 
-def test_a_call_cancelled_while_its_snapshot_is_recorded_leaves_it_recorded_or_deleted() -> None:
+def test_a_rollout_cancelled_and_closed_while_its_snapshot_is_recorded_leaves_it_recorded_or_deleted() -> None:
     async def main() -> None:
         boxes = FaultySandboxes(kv.sandboxes())
         store = FlakyStore(MemoryStore())
         async with tvcache.ToolCache(store=store) as cache:
             store.hold("add_snapshot", before=True)
             r = await cache.open("t", boxes, kv.TOOLS)
-            await cancel_when(store.reached["add_snapshot"], r.call(*PATH[0]))
+            await r.call(*PATH[0])  # answered; its snapshot is recorded in the background
+            await store.reached["add_snapshot"].wait()
+            waiting = asyncio.ensure_future(r.call(*PATH[1]))  # a miss: it waits for the snapshot under way
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await r.close()  # does not wait for the snapshot: its sandbox is closed after it
             store.held["add_snapshot"].set()
-            await r.close()
             made = set(boxes.snapshots)
             assert len(made) == 1
             for _ in range(1000):  # recording it goes on in the background, for a few turns of the loop

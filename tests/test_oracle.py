@@ -108,18 +108,6 @@ def test_kv_results_equal_uncached_history(seed: int, rollouts: int, length: int
     assert asyncio.run(main()) == 0
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32), rollouts=st.integers(2, 8), length=st.integers(1, 10), budget=st.integers(0, 4))
-def test_kv_oracle_holds_with_snapshots_in_the_background(seed: int, rollouts: int, length: int, budget: int) -> None:
-    plan = kv_plan(seed, rollouts, length)
-
-    async def main() -> int:
-        async with tvcache.ToolCache(snapshot_budget=budget, background_snapshots=True) as cache:
-            return await check_against_oracle(cache, kv.sandboxes(), plan, kv.TOOLS, seed=seed)
-
-    assert asyncio.run(main()) == 0
-
-
 def test_kv_oracle_holds_on_the_sqlite_store(tmp_path: Path) -> None:
     async def main() -> int:
         wrong = 0

@@ -146,6 +146,7 @@ def test_deep_misses_restore_the_deepest_snapshot() -> None:
             async with cache.rollout("t", boxes, kv.TOOLS) as r:
                 for t, a in path:
                     await r.call(t, a)
+            await cache.flush()
             assert cache.stats()["snapshots"] == 3  # each 50 ms call is dearer to redo than to save
             async with cache.rollout("t", boxes, kv.TOOLS) as r:
                 for t, a in path:
@@ -167,9 +168,11 @@ def test_snapshots_are_taken_only_where_redoing_costs_more() -> None:
         async with tvcache.ToolCache() as cache:
             async with cache.rollout("t", boxes, kv.TOOLS) as r:
                 await r.call("write", slow(W, 0.3))  # far dearer to redo than to save
+                await cache.flush()
                 assert cache.stats()["snapshots"] == 1
                 for i in range(5):  # microseconds each: cheaper to redo than any snapshot
                     await r.call("append", {"key": "a", "value": str(i)})
+            await cache.flush()
             assert cache.stats()["snapshots"] == 1
 
     run(main())
@@ -182,6 +185,7 @@ def test_eviction_keeps_the_budget_and_deletes_what_it_evicts() -> None:
             async with cache.rollout("t", boxes, kv.TOOLS) as r:
                 for i in range(6):
                     await r.call("append", slow({"key": "a", "value": str(i)}, 0.03))
+            await cache.flush()
             records = await cache.store.snapshots(cache.scope("t", boxes).key)
             stats = cache.stats()
         assert len(records) == 2
@@ -279,6 +283,7 @@ def test_prefetch_warms_fresh_sandboxes_and_forks_of_snapshots() -> None:
         async with tvcache.ToolCache() as cache:
             async with cache.rollout("t", boxes, kv.TOOLS) as r:
                 await r.call("write", slow(W, 0.05))  # snapshotted: slow to redo
+            await cache.flush()
             made = await (await cache.prefetch(["t", "u"], boxes, rollouts=2))
             assert made == 5  # 2 fresh for each task + 1 fork of t's snapshot
             created, restored = boxes.created, boxes.restored

@@ -52,9 +52,10 @@ class ToolCache:
     pings the store before the first rollout starts and raises `StoreError` if it does not answer (`await
     cache.check()` does the same at any time).
 
-    `background_snapshots=True` takes a snapshot after the call that reached its state has answered, while the
-    model generates its next turn, instead of before answering: the answer's latency no longer includes it. The
-    rollout's next miss (or its close) waits for it; hits do not. `close()` waits for the snapshots under way.
+    Snapshots are taken off the critical path: after the call that reached the state has answered, while the
+    model generates its next turn. The rollout's next miss waits for its snapshot (the sandbox holds still while it
+    is saved); hits do not. `await cache.flush()` waits for the snapshots under way, so that `stats()` counts them;
+    `close()` waits for them too.
 
     `read_sets=True` (the default) also reuses a read-only result recorded in another state when everything the
     call read is the same in the rollout's state (`tvcache.reads`; counted in `stats()["read_set_hits"]`), for
@@ -80,7 +81,6 @@ class ToolCache:
         warm_limit: int = 64,
         on_store_error: OnStoreError = "continue",
         check_store: bool = False,
-        background_snapshots: bool = False,
         read_sets: bool = True,
     ):
         if store is not None and url is not None:
@@ -100,7 +100,6 @@ class ToolCache:
             snapshot_budget=snapshot_budget,
             max_output_bytes=max_output_bytes,
             on_store_error=on_store_error,
-            background_snapshots=background_snapshots,
             read_sets=read_sets,
             tasks=tasks,
         )
@@ -154,8 +153,16 @@ class ToolCache:
 
     def stats(self) -> dict[str, float]:
         """The cache's counters: calls, hits, executions, waits, replays, snapshots, store_errors, seconds_saved,
-        ... (see the Getting started page's Stats section)."""
+        ... (see the Getting started page's Stats section). Snapshots still being taken after their call answered
+        are not counted yet: `await flush()` first for exact figures."""
         return self._ctx.stats.as_dict()
+
+    async def flush(self) -> None:
+        """Wait until every snapshot taken after its call answered is saved and recorded (or has failed), also
+        those started meanwhile. For exact `stats()`; training need not call it."""
+        saving = self._ctx.saving
+        while saving:
+            await asyncio.wait(list(saving))
 
     async def prefetch(self, tasks: Iterable[str], sandboxes: Sandboxes, rollouts: int = 8) -> asyncio.Task[int]:
         """Warm sandboxes for the next step's tasks, in the background: up to `rollouts` fresh ones per task

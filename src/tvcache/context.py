@@ -4,6 +4,7 @@ its settings, and how it reacts when the store fails.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -14,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .policy import Costs
+from .policy import Costs, Reuse
 from .sandboxes.base import Sandboxes
 from .stats import Stats
 from .stores.base import Store, StoreError
@@ -31,6 +32,9 @@ log = logging.getLogger("tvcache")
 OnStoreError = Literal["continue", "raise"]
 
 _instances = itertools.count(1)
+
+#: Tasks whose `Reuse` a cache remembers: a training step's tasks, many times over.
+MAX_REUSES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,13 +125,17 @@ class Context:
     snapshot_budget: int
     max_output_bytes: int
     on_store_error: OnStoreError = "continue"
-    background_snapshots: bool = False  # take snapshots after the call answered (`LiveSandbox.maybe_snapshot`)
     read_sets: bool = True  # reuse a result when what the call read is unchanged (`tvcache.reads`)
     factories: Factories = field(default_factory=Factories)
     health: StoreHealth = field(default_factory=StoreHealth)
     tasks: TaskGroup = field(default_factory=TaskGroup)
     #: Restores of a snapshot that failed without the backend saying it is gone, by snapshot id.
     suspects: Counter[str] = field(default_factory=Counter)
+    #: What each task's rollouts showed of coming back to the same states, by scope key (the most recent tasks).
+    reuses: dict[str, Reuse] = field(default_factory=dict)
+    #: Snapshots being taken after their call answered (`LiveSandbox.maybe_snapshot`): the scope key and node of
+    #: each, for misses that would rather wait for one than rebuild its state, and for `ToolCache.flush`.
+    saving: dict[asyncio.Task[None], tuple[str, bytes]] = field(default_factory=dict)
     #: The rollouts not closed yet, closed with the cache.
     rollouts: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     closed: bool = False
@@ -136,6 +144,14 @@ class Context:
         #: Whether the store's claiming lookups take their claim in this process, after their last `await`
         #: (memory, SQLite), so a cancelled lookup cannot have taken one.
         self.claims_in_process = isinstance(self.store, EmbeddedEntries)
+
+    def reuse(self, scope_key: str) -> Reuse:
+        """The task's `Reuse`, made on first use; the least recently used task's is forgotten past `MAX_REUSES`."""
+        reuse = self.reuses.pop(scope_key, None) or Reuse()
+        self.reuses[scope_key] = reuse  # (re)inserted last: dicts keep insertion order
+        if len(self.reuses) > MAX_REUSES:
+            del self.reuses[next(iter(self.reuses))]
+        return reuse
 
     def check_open(self) -> None:
         if self.closed:

@@ -20,7 +20,7 @@ from typing import Any
 from .calls import ToolCall
 from .context import Context, Factory
 from .graph import child_id, decode_output, encode_output
-from .policy import Route, cheapest_route, should_snapshot, worth_leasing
+from .policy import Reuse, Route, cheapest_route, should_snapshot, worth_leasing
 from .sandboxes.base import Sandbox, SandboxBusy, SandboxError, Sandboxes, SnapshotGone
 from .stores.base import Lease, StoreError
 
@@ -82,8 +82,11 @@ class History:
 
 
 class LiveSandbox:
-    def __init__(self, ctx: Context, sandboxes: Sandboxes, factory: Factory, scope_key: str, history: History):
+    def __init__(
+        self, ctx: Context, sandboxes: Sandboxes, factory: Factory, scope_key: str, history: History, reuse: Reuse
+    ):
         self._ctx = ctx
+        self._reuse = reuse
         self._sandboxes = sandboxes
         self._costs = factory.costs
         self._origin = factory.origin
@@ -114,6 +117,7 @@ class LiveSandbox:
         fresh_warm = warm.count(("fresh", self._origin, self._scope_key)) > 0
         fresh = (0.0 if fresh_warm else costs.create) + replay(target)
         route = cheapest_route(catch_up, fresh, None)
+        await self._await_snapshot_under_way(catch_up, fresh)
         # A snapshot the backend says is gone is dropped from the graph, so asking again yields the next
         # shallower one; a few attempts bound the round trips.
         for _ in range(MAX_RESTORE_ATTEMPTS if use_store and target > 0 else 0):
@@ -146,6 +150,23 @@ class LiveSandbox:
             await self._replace(await self._create(), 0)
         return await self._replay_to(target)
 
+    async def _await_snapshot_under_way(self, catch_up: float, fresh: float) -> None:
+        """Wait for the deepest snapshot on the rollout's path that another rollout is taking in this process (of
+        the state it just reached, while this one waited for that call), when waiting for it and restoring it
+        costs less than rebuilding the state another way. The lease that follows finds it in the graph."""
+        done = self._depth if self._box is not None else 0
+        depths = {step.node: depth for depth, step in enumerate(self._history.steps[done:], done + 1)}
+        saving = self._ctx.saving.items()
+        under_way = [(depths[node], task) for task, (key, node) in saving if key == self._scope_key and node in depths]
+        if not under_way:
+            return
+        depth, task = max(under_way, key=lambda pair: pair[0])
+        target, costs = len(self._history), self._costs
+        restore = costs.snapshot + costs.restore + self._history.seconds(target, depth)
+        if cheapest_route(catch_up, fresh, restore) == Route.RESTORE:
+            with self._ctx.stats.timing("snapshotting"):
+                await asyncio.wait([task])
+
     def applied(self) -> None:
         """The sandbox just executed the history's newest edge itself."""
         self._depth = len(self._history)
@@ -155,30 +176,32 @@ class LiveSandbox:
         assert self._box is not None
         return await self._box.execute(call)
 
-    async def maybe_snapshot(self) -> None:
-        """Snapshot the sandbox at the cursor when rebuilding this state later (restore the nearest snapshot, or
-        create, then replay) would cost more than saving it now and restoring it then.
+    def maybe_snapshot(self) -> None:
+        """Snapshot the sandbox at the cursor, off the critical path, where the rebuilds it is expected to save pay
+        for it: rebuilding this state later (restore the nearest snapshot, or create, then replay) costs more than
+        restoring it, times the restores the task's rollouts so far let one expect (`policy.Reuse`), more than
+        saving it now.
 
-        Taking the snapshot and recording it (or deleting it) is one step that runs to its end even if the
-        caller is cancelled meanwhile: a snapshot the backend made is always either in the graph or deleted.
-
-        With `background_snapshots` the snapshot is taken off the critical path: the call that led here answers
-        at once, and the snapshot is taken while the model generates its next turn, in a task of the cache. Hits
-        go on meanwhile; whatever needs the sandbox (the next miss, `drop`) waits for the snapshot first, since
-        the sandbox must hold still while it is saved. Rollouts that waited for the call find the state in the
-        graph once it is recorded, and rebuild it (as from any other state) if they miss there before."""
+        The call that led here answers at once; the snapshot is taken while the model generates its next turn, in
+        a task of the cache (`ToolCache.flush` waits for it). Hits go on meanwhile; whatever needs the sandbox (the
+        next miss, `drop`) waits for the snapshot first, since the sandbox must hold still while it is saved.
+        Rollouts that waited for the call find the state in the graph once it is recorded, and rebuild it (as from
+        any other state) if they miss there before. Taking the snapshot and recording it (or deleting it) runs to
+        its end even if the rollout is cancelled or closed meanwhile: a snapshot the backend made is always either
+        in the graph or deleted."""
         box = self._box
         if box is None or self._snapshot_failures >= MAX_SNAPSHOT_FAILURES:
             return
         depth, base = len(self._history), self._snapshot_depth
         rebuild = self._history.seconds(depth, base) + (self._costs.restore if base else self._costs.create)
-        if should_snapshot(rebuild, self._costs):
-            path = [self._history.root, *(s.node for s in self._history.steps)]
-            if self._ctx.background_snapshots:
-                self._saving = self._ctx.tasks.spawn(self._snapshot_in_background(box, path))
-            else:
-                with self._ctx.stats.timing("snapshotting"):
-                    await self._ctx.tasks.settle(self._snapshot(box, path))
+        if not should_snapshot(rebuild, self._costs, self._reuse.expected(depth)):
+            if should_snapshot(rebuild, self._costs):  # it would pay if one rollout came back: reuse decided
+                self._ctx.stats.snapshots_skipped += 1
+            return
+        path = [self._history.root, *(s.node for s in self._history.steps)]
+        saving = self._saving = self._ctx.tasks.spawn(self._snapshot_in_background(box, path))
+        self._ctx.saving[saving] = (self._scope_key, path[-1])
+        saving.add_done_callback(self._ctx.saving.pop)
 
     async def _saved(self) -> None:
         """Wait for a snapshot being taken of the sandbox (on the critical path now: counted as snapshotting)."""
@@ -215,6 +238,7 @@ class LiveSandbox:
         self._costs.measured_snapshot.add(time.perf_counter() - t0)
         stats, tasks = self._ctx.stats, self._ctx.tasks
         stats.snapshots += 1
+        self._reuse.taken += 1
         try:
             doomed = await self._ctx.store.add_snapshot(
                 self._scope_key, self._origin, path, snapshot_id, self._ctx.snapshot_budget
@@ -269,6 +293,7 @@ class LiveSandbox:
         box = ctx.warm.take(("fork", self._origin, lease.snapshot_id))
         if box is not None:
             ctx.stats.warm += 1
+            self._reuse.restored += 1
             return box
         for attempt in (1, 2):
             t0 = time.perf_counter()
@@ -286,6 +311,7 @@ class LiveSandbox:
             ctx.suspects.pop(lease.snapshot_id, None)
             self._costs.measured_restore.add(time.perf_counter() - t0)
             ctx.stats.restores += 1
+            self._reuse.restored += 1
             return box
         else:
             ctx.suspects[lease.snapshot_id] += 1

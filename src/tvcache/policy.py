@@ -1,7 +1,7 @@
-"""Decisions made from measured costs: when to snapshot, and by which route a miss reaches its state.
+"""Decisions made from what the cache measures online: when to snapshot, and by which route a miss reaches its state.
 
-Pure functions over numbers the cache measures online, so they can be tested and replaced on their own.
-(What to evict is the stores' decision: `stores.eviction`.)
+Pure functions over measured costs, and what a task's rollouts showed of coming back to the same states, so they
+can be tested and replaced on their own. (What to evict is the stores' decision: `stores.eviction`.)
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["Costs", "Route", "cheapest_route", "should_snapshot", "worth_leasing"]
+__all__ = ["Costs", "Reuse", "Route", "cheapest_route", "should_snapshot", "worth_leasing"]
 
 
 class _Mean:
@@ -58,10 +58,55 @@ def _first(*values: float | None) -> float:
     return next(v for v in values if v is not None)
 
 
-def should_snapshot(rebuild_seconds: float, costs: Costs) -> bool:
-    """Snapshot a state when rebuilding it (restore the nearest snapshot or create, then replay the calls
-    since) costs more than saving it now and restoring it later."""
-    return rebuild_seconds > costs.snapshot + costs.restore
+class Reuse:
+    """What one task's rollouts have shown so far of coming back to the same states: how many restores a
+    snapshot taken at a given depth (edges from the root) can expect.
+
+    Two counts say it, each an estimate of restores per snapshot, and the smaller one is believed:
+
+    - *Revisits*: per depth, the states rollouts made there (they executed the edge: first to arrive) and the
+      arrivals of later rollouts at a state already made (they hit the edge). Later arrivals per state made is
+      how many rollouts came back to each state at that depth: about the group size above the depth where the
+      group's rollouts diverge, about zero below it. Smoothed towards the depth above (capped at one revisit:
+      one more rollout per state is what the cost-only rule assumed), so a depth nothing has reached yet
+      borrows from its parent, and a few observations do not decide alone.
+    - *Use*: snapshots restored (or forked ahead of need) per snapshot taken in the task, plus one of each: a
+      state that rollouts come back to but replay through as hits (a second epoch of the same rollouts) needs
+      no snapshot either.
+    """
+
+    __slots__ = ("made", "restored", "revisited", "taken")
+
+    def __init__(self) -> None:
+        self.made: list[int] = [0]  # per depth (index 0: the root, made once): states made there
+        self.revisited: list[int] = [0]  # per depth: arrivals at a state made before
+        self.taken = 0
+        self.restored = 0
+
+    def reached(self, depth: int, made: bool) -> None:
+        """A rollout reached a state at `depth`, by executing the edge (`made`) or by hitting it."""
+        while len(self.made) <= depth:
+            self.made.append(0)
+            self.revisited.append(0)
+        if made:
+            self.made[depth] += 1
+        else:
+            self.revisited[depth] += 1
+
+    def expected(self, depth: int) -> float:
+        """Restores a snapshot of a state at `depth` can expect."""
+        revisits = 1.0
+        for d in range(1, depth + 1):
+            made, revisited = (self.made[d], self.revisited[d]) if d < len(self.made) else (0, 0)
+            revisits = (revisited + min(revisits, 1.0)) / (made + 1)
+        return min(revisits, (self.restored + 1) / (self.taken + 1))
+
+
+def should_snapshot(rebuild_seconds: float, costs: Costs, reuses: float = 1.0) -> bool:
+    """Snapshot a state when the rebuilds it is expected to save pay for it: each of the `reuses` expected restores
+    saves rebuilding the state (restore the nearest snapshot or create, then replay the calls since) at the price of
+    a restore, and saving it costs a snapshot now."""
+    return reuses * (rebuild_seconds - costs.restore) > costs.snapshot
 
 
 class Route(enum.IntEnum):

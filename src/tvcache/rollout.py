@@ -57,8 +57,9 @@ class Result:
     another state, and everything it read is the same in this one; see `tvcache.reads`) or "executed" when it ran
     here.
     `seconds` is the wall time of the call as the caller saw it: the lookup, any wait for another rollout, and on
-    a miss the sandbox's creation or restore, the replay of earlier calls, the execution itself and a snapshot
-    taken after it. `error` is True when the sandbox or tool failed (crash, timeout); such results are never cached.
+    a miss the sandbox's creation or restore, the replay of earlier calls and the execution itself (a snapshot of
+    the state it reached is taken after it answered). `error` is True when the sandbox or tool failed (crash,
+    timeout); such results are never cached.
     """
 
     output: Any
@@ -134,7 +135,8 @@ class Rollout:
         self._scope_key = scope.key
         self._tools = tools or Tools()
         self._history = History(scope.root)
-        self._live = LiveSandbox(ctx, sandboxes, ctx.factories[sandboxes], self._scope_key, self._history)
+        self._reuse = ctx.reuse(self._scope_key)
+        self._live = LiveSandbox(ctx, sandboxes, ctx.factories[sandboxes], self._scope_key, self._history, self._reuse)
         # Reuse by what a call read: the factory's starting state, and what the edges passed since wrote.
         self._base = base_digests_of(sandboxes) if ctx.read_sets else None
         self._writes = Writes()
@@ -285,6 +287,7 @@ class Rollout:
         if entry.kind == EDGE:
             self._history.advance(call, entry.output, entry.seconds)
             self._writes.apply(entry.writes)
+            self._reuse.reached(len(self._history), made=False)
         return Result(output, True, time.perf_counter() - start, source)
 
     def _kind(self, call: ToolCall, outcome: Outcome) -> Kind:
@@ -311,10 +314,8 @@ class Rollout:
                 self._history.advance(call, blob, seconds)
                 self._writes.apply(outcome.writes)
                 self._live.applied()
-                # Before the entry lands: the rollouts waiting on this claim move to the new state with it, and
-                # their next miss there should find it saved rather than each rebuild it from scratch (unless
-                # snapshots are taken in the background, after the answer).
-                await self._live.maybe_snapshot()
+                self._live.maybe_snapshot()  # in the background: the answer does not wait for it
+                self._reuse.reached(len(self._history), made=True)
             if len(blob) > self._ctx.max_output_bytes:
                 self._ctx.stats.uncached += 1
             else:

@@ -23,7 +23,8 @@ class Stats:
     creates: int = 0  # fresh sandboxes made on the critical path
     restores: int = 0  # snapshots restored on the critical path
     warm: int = 0  # misses that took a sandbox prefetched ahead of need
-    snapshots: int = 0
+    snapshots: int = 0  # taken (restores and warm: used)
+    snapshots_skipped: int = 0  # states worth saving for one more rollout, not saved: few came back (`policy.Reuse`)
     evictions: int = 0
     mismatches: int = 0  # replays whose output differed from the recorded one: a nondeterministic tool
     detached: int = 0  # rollouts whose state could no longer be reproduced from the cache
@@ -38,9 +39,9 @@ class Stats:
     seconds_waiting: float = 0.0  # for another rollout's identical call (single flight)
     seconds_creating: float = 0.0  # fresh sandboxes
     seconds_restoring: float = 0.0  # snapshots restored, also attempts that failed
-    seconds_snapshotting: float = 0.0  # snapshots taken and recorded before answering, or waited for by a miss
+    seconds_snapshotting: float = 0.0  # snapshots under way that a miss had to wait for (its sandbox held still)
     seconds_store: float = 0.0  # store round trips: lookups, records, claims, leases
-    # Off the critical path: snapshots taken and recorded after their call answered (`background_snapshots`).
+    # Off the critical path: snapshots taken and recorded after their call answered.
     seconds_background: float = 0.0
 
     def as_dict(self) -> dict[str, float]:

@@ -132,6 +132,10 @@ class SyncToolCache:
         """`ToolCache.stats`."""
         return self.cache.stats()
 
+    def flush(self) -> None:
+        """`ToolCache.flush`: wait for the snapshots under way."""
+        self._run(self.cache.flush())
+
     def close(self) -> None:
         """Close the cache and stop its thread. Idempotent."""
         if self._loop.is_closed():

@@ -5,7 +5,8 @@ Cancellation reaches a coroutine at any `await`. Three kinds of work must not st
 - work that makes something someone must later free (a sandbox, a snapshot, a claim, a lease): `acquire` runs
   it to the end in a task of the group; if the caller was cancelled meanwhile, what it made is freed at once,
   so nothing is ever made that nobody owns;
-- work that records such a thing (`add_snapshot` after `snapshot`): `settle` runs it to the end;
+- work that records such a thing (`add_snapshot` after `snapshot`): it runs in a task of its own, which
+  cancelling its rollout does not reach;
 - cleanup (closing a sandbox, releasing a claim): `cleanup` runs it to the end and never raises, so it cannot
   mask the outcome it cleans up after.
 
@@ -44,10 +45,6 @@ class TaskGroup:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         return task
-
-    async def settle(self, coro: Coroutine[Any, Any, T]) -> T:
-        """`await coro`, except that cancelling the caller does not cancel `coro`: it runs to its end."""
-        return await asyncio.shield(self.spawn(coro))
 
     async def acquire(self, make: Coroutine[Any, Any, T], free: Callable[[T], Awaitable[Any]]) -> T:
         """What `make` makes, owned by the caller from the moment it exists. If the caller is cancelled

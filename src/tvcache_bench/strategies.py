@@ -410,6 +410,7 @@ class TvCacheStrategy(Strategy):
 
     async def close(self) -> None:
         store = self.cache.store
+        await self.cache.flush()  # the snapshots still being taken are in the graph, to be deleted with the rest
         with contextlib.suppress(Exception):
             for key, factory in self._factories.items():
                 for record in await store.snapshots(key):
