@@ -135,8 +135,10 @@ class Rollout:
         self._scope_key = scope.key
         self._tools = tools or Tools()
         self._history = History(scope.root)
-        self._reuse = ctx.reuse(self._scope_key)
-        self._live = LiveSandbox(ctx, sandboxes, ctx.factories[sandboxes], self._scope_key, self._history, self._reuse)
+        self._snapshot_reuse = ctx.reuse(self._scope_key)
+        self._live = LiveSandbox(
+            ctx, sandboxes, ctx.factories[sandboxes], self._scope_key, self._history, self._snapshot_reuse
+        )
         # Reuse by what a call read: the factory's starting state, and what the edges passed since wrote.
         self._base = base_digests_of(sandboxes) if ctx.read_sets else None
         self._writes = Writes()
@@ -287,7 +289,7 @@ class Rollout:
         if entry.kind == EDGE:
             self._history.advance(call, entry.output, entry.seconds)
             self._writes.apply(entry.writes)
-            self._reuse.reached(len(self._history), made=False)
+            self._snapshot_reuse.reached(len(self._history), made=False)
         return Result(output, True, time.perf_counter() - start, source)
 
     def _kind(self, call: ToolCall, outcome: Outcome) -> Kind:
@@ -315,7 +317,7 @@ class Rollout:
                 self._writes.apply(outcome.writes)
                 self._live.applied()
                 self._live.maybe_snapshot()  # in the background: the answer does not wait for it
-                self._reuse.reached(len(self._history), made=True)
+                self._snapshot_reuse.reached(len(self._history), made=True)
             if len(blob) > self._ctx.max_output_bytes:
                 self._ctx.stats.uncached += 1
             else:
