@@ -434,8 +434,8 @@ def test_cached_tools_show_the_model_what_art_alone_shows_and_pay_the_same() -> 
 
 
 def test_cached_tools_refuse_what_they_cannot_keep_identical() -> None:
-    """Outside writes, state that does not copy, objects without attributes: clear errors, nothing cached."""
-    from tvcache.integrations.art import cached_tools
+    """Outside writes, calls after close, state that does not copy, objects without attributes: clear errors."""
+    from tvcache.integrations.art import cached_tools, close
 
     with tvcache.SyncToolCache() as cache:
         shop = cached_tools(Shop(SHOPPING), cache=cache)
@@ -443,6 +443,11 @@ def test_cached_tools_refuse_what_they_cannot_keep_identical() -> None:
             shop.answer = "3"
         with pytest.raises(TypeError, match="already goes through tvcache"):
             cached_tools(shop, cache=cache)
+        assert shop.sql(COUNT) == "[(3,)]"
+        close(shop)
+        assert shop.last == [(3,)]  # readable as the rollout left it
+        with pytest.raises(RuntimeError, match=r"after close\(\)"):
+            shop.sql(COUNT)
 
         class Counter:  # state in a closure: it would not be the sandbox's
             def __init__(self) -> None:

@@ -158,7 +158,8 @@ class _Episode:
     def current(self, tool: str) -> SyncRollout:
         if self.rollout is None:
             raise RuntimeError(
-                f"tool {tool!r} was called before reset(): TRL resets an environment before each rollout"
+                f"tool {tool!r} was called before reset(): TRL resets an environment before each rollout "
+                "(or, through ART's cached_tools, after close())"
             )
         return self.rollout
 
