@@ -364,6 +364,7 @@ async def replay(workload: Workload, strategies: Sequence[Strategy], options: Re
             for engine, i in turns:
                 await engine.timed_step(steps, i)
                 if i == len(steps) - 1:  # its last step: free what it holds before others go on
+                    await engine.strategy.flush()
                     engine.run_.stats = dict(engine.strategy.stats())
                     engine.closed = True
                     await engine.strategy.close()

@@ -89,6 +89,9 @@ class Strategy:
     def stats(self) -> dict[str, float]:
         raise NotImplementedError
 
+    async def flush(self) -> None:
+        """Finish the work still under way after the calls answered (tvcache's snapshots), so `stats()` counts it."""
+
     async def close(self) -> None:
         """Release what the strategy holds (snapshots, warm sandboxes)."""
 
@@ -407,6 +410,9 @@ class TvCacheStrategy(Strategy):
 
     def stats(self) -> dict[str, float]:
         return self.cache.stats()
+
+    async def flush(self) -> None:
+        await self.cache.flush()
 
     async def close(self) -> None:
         store = self.cache.store

@@ -194,6 +194,7 @@ async def scale(
             for i in range(0, len(chunk), rollouts):  # one task at a time, its rollouts concurrent
                 await asyncio.gather(*(_replay_one(cache, factory, t) for t in chunk[i : i + rollouts]))
             grow_seconds = time.perf_counter() - t0
+            await cache.flush()  # the snapshots still being taken count in the figures below
             done += len(chunk)
             entries, edges = await _graph_size(cache)
             gc.collect()
