@@ -65,8 +65,9 @@ def test_states_revisited_only_by_hits_are_not_worth_saving() -> None:
     assert reuse.expected(1) < 0.1
 
 
-async def run_steps(plan: Any, delay: float = 0.01) -> dict[str, float]:
-    """`STEPS` training steps of one task, `GROUP` concurrent rollouts each; `plan(step, rollout)` their calls."""
+async def run_steps(plan: Any, delay: float = 0.02) -> list[dict[str, float]]:
+    """`STEPS` training steps of one task, `GROUP` concurrent rollouts each (`plan(step, rollout)`: their calls);
+    the cache's stats after each step."""
     boxes = FaultySandboxes(kv.sandboxes())
     boxes.snapshot_delay = delay
     async with tvcache.ToolCache() as cache:
@@ -76,28 +77,33 @@ async def run_steps(plan: Any, delay: float = 0.01) -> dict[str, float]:
                 for tool, args in plan(step, i):
                     assert not (await r.call(tool, args)).error
 
+        after = []
         for step in range(STEPS):
             await asyncio.gather(*(rollout(step, i) for i in range(GROUP)))
-        await cache.flush()
-        return cache.stats()
+            await cache.flush()
+            after.append(cache.stats())
+        return after
 
 
-def write(key: str, delay: float = 0.03) -> tuple[str, dict[str, Any]]:
+def write(key: str, delay: float = 0.05) -> tuple[str, dict[str, Any]]:
     return ("write", {"key": key, "value": "v", "delay": delay})
 
 
 def test_rollouts_that_diverge_early_take_few_snapshots() -> None:
-    stats = asyncio.run(run_steps(lambda step, i: [write(f"s{step}r{i}c{c}") for c in range(3)]))
-    states = STEPS * GROUP * 3  # each dearer to rebuild (30 ms a call) than to save (10 ms): the cost rule saves all
+    first, *_, stats = asyncio.run(run_steps(lambda step, i: [write(f"s{step}r{i}c{c}") for c in range(3)]))
+    states = STEPS * GROUP * 3  # each dearer to rebuild (50 ms a call) than to save (20 ms): the cost rule saves all
     assert stats["snapshots"] + stats["snapshots_skipped"] >= states - GROUP
-    assert stats["snapshots"] <= 2 * GROUP  # about the first step's first states, before anything was known
+    # The first step saved some states before anything was known; once it showed that nobody comes back, the
+    # next steps save few of their 2 x 18 (measured costs vary with the machine's load: not none for sure).
+    assert stats["snapshots"] - first["snapshots"] <= GROUP
+    assert stats["restores"] == 0
 
 
 def test_rollouts_that_share_a_prefix_snapshot_it_and_restore_it() -> None:
     def plan(step: int, i: int) -> list[tuple[str, dict[str, Any]]]:
         return [write("a"), write("b"), write(f"s{step}r{i}"), ("read", {"key": f"s{step}r{i}"})]
 
-    stats = asyncio.run(run_steps(plan))
+    *_, stats = asyncio.run(run_steps(plan))
     # The shared state is saved and every rollout but its maker restores it for its own write, step after step.
     assert stats["restores"] + stats["warm"] >= (STEPS * GROUP - 1) * 0.8
     assert 1 <= stats["snapshots"] <= 2 + GROUP
