@@ -173,7 +173,7 @@ def test_a_million_inodes(mode: str) -> None:
 
     async def main() -> None:
         with small_base() as base:
-            async with factory_for(base, mode) as boxes:
+            async with factory_for(base, mode, timeout=1800) as boxes:
                 box = await boxes.create()
                 filled = await box.execute(ToolCall("bash", {"command": fill}))
                 assert filled.changed is True, filled

@@ -111,6 +111,7 @@ class Watcher:
         if fd < 0:
             err = ctypes.get_errno()
             self.why_not = f"fanotify_init: {os.strerror(err)}"
+            _log_once(err, "no fanotify here (%s): change detection walks the tree", self.why_not)
             return
         self.fd = fd
         self._finalizer = weakref.finalize(self, os.close, fd)
@@ -129,9 +130,7 @@ class Watcher:
                 return None  # two filesystems the events could not tell apart
             if _libc.fanotify_mark(self.fd, _FAN_MARK_ADD | _FAN_MARK_FILESYSTEM, _MASK, -100, os.fsencode(path)):
                 err = ctypes.get_errno()
-                if err not in _expected:
-                    _expected.add(err)
-                    log.info("no fanotify for %s (%s): change detection walks the tree", path, os.strerror(err))
+                _log_once(err, "no fanotify for %s (%s): change detection walks the tree", path, os.strerror(err))
                 return None
             self._watches[fsid] = Batch()
         return Watch(self, fsid)
@@ -242,8 +241,14 @@ class Watch:
         self._watcher._forget(self._fsid)
 
 
-#: Errors of fanotify_mark already logged once.
-_expected: set[int] = set()
+#: Errors of fanotify_init and fanotify_mark already logged.
+_logged: set[int] = set()
+
+
+def _log_once(err: int, message: str, *args: object) -> None:
+    if err not in _logged:
+        _logged.add(err)
+        log.info(message, *args)
 
 
 def _fsid(path: str) -> bytes:
