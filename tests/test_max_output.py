@@ -57,6 +57,11 @@ def test_every_tool_answers_within_max_output(mode: str) -> None:
                     outcome = await box.execute(call)
                     assert not outcome.error and "error" not in outcome.output, outcome
                     assert size(outcome.output) <= LIMIT + MARKER, (call, size(outcome.output))
+                # A path of a megabyte, which the error naming it echoed whole.
+                huge = "a/" * 500_000
+                for tool, args in (("read_file", {}), ("list_dir", {}), ("write_file", {"content": "x"})):
+                    outcome = await box.execute(ToolCall(tool, {"path": huge, **args}))
+                    assert "error" in outcome.output and size(outcome.output) <= LIMIT + MARKER, (tool, outcome)
                 cut = (await box.execute(ToolCall("read_file", {"path": "accents"}))).output["content"]
                 assert cut.startswith("\u00e9" * 1000) and cut.endswith("\u00e9" * 1000) and "omitted" in cut
 

@@ -65,7 +65,13 @@ def _sandbox_path(cwd: bytes, path: str) -> str:
 
 
 def _error(exc: OSError, path: str) -> dict[str, Any]:
-    return {"error": f"{os.strerror(exc.errno or errno.EIO)}: {path}"}
+    return {"error": f"{os.strerror(exc.errno or errno.EIO)}: {_shown(path)}"}
+
+
+def _shown(path: str) -> str:
+    """The path as an error names it: a long one (a model can send megabytes) by its start and end, so the answer
+    stays within max_output."""
+    return path if len(path) <= 200 else f"{path[:100]}[... {len(path) - 200} characters ...]{path[-100:]}"
 
 
 def _open_root(root: str) -> int:
@@ -82,9 +88,9 @@ class _Answer(Exception):
 def _check_regular(fd: int, path: str) -> None:
     mode = os.fstat(fd).st_mode
     if stat.S_ISDIR(mode):
-        raise _Answer({"error": f"Is a directory: {path}"})
+        raise _Answer({"error": f"Is a directory: {_shown(path)}"})
     if not stat.S_ISREG(mode):
-        raise _Answer({"error": f"Not a regular file: {path}"})
+        raise _Answer({"error": f"Not a regular file: {_shown(path)}"})
 
 
 def _open_file(root: str, cwd: bytes, path: str, flags: int, *, create: bool = False) -> int:
