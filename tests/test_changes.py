@@ -83,7 +83,10 @@ def test_changed_is_sound_and_precise(mode: str, kernel: bool, monkeypatch: pyte
             async with factory_for(base, mode) as boxes:
                 box = await boxes.create()
                 if kernel and os.geteuid() == 0:
-                    assert box._fs._watch is not None, boxes._ctx.isolation.changes.why_not
+                    why_not = boxes._ctx.isolation.changes.why_not
+                    if "Too many open files" in why_not:  # the user's 128 fanotify groups, machine-wide, are taken
+                        pytest.skip(why_not)
+                    assert box._fs._watch is not None, why_not
                 before = await asyncio.to_thread(_oracle, box)
                 for command, expected in COMMANDS:
                     outcome = await box.execute(ToolCall("bash", {"command": command}))
