@@ -34,6 +34,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import os
 import re
 import resource
 import sys
@@ -273,6 +274,7 @@ class ReplayResult:
     steps: int
     strategies: dict[str, StrategyRun]
     oracle_nondeterministic: int | None = None  # oracle answers that differed between epochs
+    load_average: tuple[float, float] | None = None  # the machine's 1-minute load average at the start and end
 
     @property
     def baseline(self) -> StrategyRun | None:
@@ -296,6 +298,7 @@ class ReplayResult:
             "calls_per_epoch": self.calls_per_epoch,
             "steps": self.steps,
             "oracle_nondeterministic": self.oracle_nondeterministic,
+            "load_average": self.load_average,
             "memory_measure": _memory_method(),
             "strategies": {name: run.summary(self.baseline) for name, run in self.strategies.items()},
         }
@@ -337,6 +340,7 @@ async def replay(workload: Workload, strategies: Sequence[Strategy], options: Re
     busier or quieter during a long run shifts all strategies alike instead of favouring the ones that ran
     in the quiet part. Closes the strategies; the workload stays open (its owner closes it)."""
     steps = schedule(workload.traces, options.batch, options.epochs)
+    load_start = _load_average()
     order = sorted(strategies, key=lambda p: p.name != "none")
     factories = {task: workload.sandboxes(task) for task in task_order(workload.traces)}
     calls_per_epoch = sum(len(t.calls) for t in workload.traces)
@@ -390,6 +394,7 @@ async def replay(workload: Workload, strategies: Sequence[Strategy], options: Re
         steps=len(steps),
         strategies=runs,
         oracle_nondeterministic=_nondeterministic(oracle, options.epochs) if oracle is not None else None,
+        load_average=None if load_start is None else (load_start, _load_average() or 0.0),
     )
 
 
@@ -747,6 +752,10 @@ class _nothing:
 
 
 _STATUS = "/proc/self/status"
+
+
+def _load_average() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def _memory_method() -> str:

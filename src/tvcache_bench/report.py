@@ -9,6 +9,7 @@ trips, the cache's own overhead).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +269,12 @@ def _footnotes(result: ReplayResult, summary: dict[str, Any]) -> list[str]:
         lines.append(
             f"model turns: {turns}, {format_seconds(spent)} in all between calls, the same for every strategy "
             f"(trace timestamps where the traces have them); share of the rollout time spent in tools: {shares}"
+        )
+    load = summary.get("load_average")
+    if load:
+        lines.append(
+            f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} at the start and {load[1]:.1f} at the end "
+            "(other work slows every strategy alike: compare ratios within a run)"
         )
     if "tvcache" in strategies:
         row = strategies["tvcache"]
