@@ -13,21 +13,22 @@ the cache core). This module says what a workspace call read and wrote, as a map
   walk takes is recorded by the next component's own key.
 - `shell:`: the shell state the next command inherits (working directories, exported variables).
 
-**Reads of a bash command** are traced inside the jail with `strace -f --seccomp-bpf` (Debian's strace, found in
-the sandbox's own root): opens, the stat family, access, readlink, directory listings, execve (and the interpreter a script's `#!` line or an ELF file's PT_INTERP names, which the kernel
-reads without a system call), chdir. Failed lookups count: `test -e missing` records `path:<missing>` = "".
-Every traced path is resolved inside the sandbox's root as the kernel did (openat2 with RESOLVE_IN_ROOT on each
-component), recording each symlink passed (`path:` of the link, so a swapped link target invalidates) and each
-directory walked through (`walk:`). An fstat adds nothing: every descriptor a command opens was opened by a
-traced call, which records the whole `path:`. The shell's own start before the command (see _shell.TRACE_MARK)
-only walks directories. The tracer runs with `-D` (as a detached grandchild), so the command's shell keeps PID 1
-as without tracing; the tracer's two forks shift the PIDs of the command's children by two.
+**Reads of a bash command** are traced inside the jail with `strace -f --seccomp-bpf` (Debian's strace, found in the
+sandbox's own root): opens, the stat family, access, readlink, directory listings, execve (and the interpreter a
+script's `#!` line or an ELF file's PT_INTERP names, which the kernel reads without a system call), chdir. Failed
+lookups count: `test -e missing` records `path:<missing>` = "". Every traced path is resolved inside the sandbox's
+root as the kernel did (openat2 with RESOLVE_IN_ROOT on each component), recording each symlink passed (`path:` of
+the link, so a swapped link target invalidates) and each directory walked through (`walk:`). An fstat adds nothing:
+every descriptor a command opens was opened by a traced call, which records the whole `path:`. The shell's own start
+before the command (see _shell.TRACE_MARK) only walks directories. The tracer runs with `-D` (as a detached
+grandchild), so the command's shell keeps PID 1 as without tracing; the tracer's two forks shift the PIDs of the
+command's children by two.
 
-**Soundness first**: the read set is None (the result is reused only by exact history) when the call read
-anything its digests cannot describe: /proc beyond the command's own processes, /dev other than null, zero, full
-and tty, a socket (connect/bind), statfs; when it wrote anything (the write set's keys are then what changed, and what it read
-of them before is gone); when the trace is incomplete (the tracer lost the shell's exit, the trace was too
-large to keep) or a relative path cannot be placed.
+**Soundness first**: the read set is None (the result is reused only by exact history) when the call read anything
+its digests cannot describe: /proc beyond the command's own processes, /dev other than null, zero, full and tty, a
+socket (connect/bind), statfs; when it wrote anything (the write set's keys are then what changed, and what it read
+of them before is gone); when the trace is incomplete (the tracer lost the shell's exit, the trace was too large to
+keep) or a relative path cannot be placed.
 
 **Write sets** come from the overlay upper dirs, not the trace: every entry whose (type, inode, size, mtime,
 ctime, mode) changed since the last look gets its new `path:` (and `list:`, `walk:` for directories) digest,
