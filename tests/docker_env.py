@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from tvcache.sandboxes.docker import build_image
 from tvcache_bench.docker_setup import DockerUnavailable, debian_base
 
 #: A task image: environment and working directory from the Dockerfile, files over three layers, one of which
@@ -46,7 +45,28 @@ def docker_base_fixture() -> str:
 def task_image_fixture(docker_base: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     context = tmp_path_factory.mktemp("task-image")
     (context / "Dockerfile").write_text(TASK_DOCKERFILE.format(base=docker_base))
+    from tvcache.sandboxes.docker import build_image  # the docker extra: only where a test asks for an image
+
     return asyncio.run(build_image(context))
+
+
+def docker_root() -> Path:
+    """The daemon's data root: where a DockerSandboxes keeps its snapshots unless told another place on its
+    filesystem."""
+    out = subprocess.run(["docker", "info", "-f", "{{.DockerRootDir}}"], capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip())
+
+
+@pytest.fixture(name="docker_tmp")
+def docker_tmp_fixture() -> Iterator[Path]:
+    """A directory of the test's own on the daemon's filesystem, for a DockerSandboxes' `tmp`: no other test's
+    factory reclaims what dead processes left there."""
+    path = docker_root() / f"tvcache-test-tmp-{os.getpid()}-{time.monotonic_ns()}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def labelled(kind: str, run: str) -> list[str]:
@@ -181,4 +201,6 @@ def dockerfile_image(base: str, body: str, tmp: Path) -> str:
     """Build `FROM base` + `body` (cached by content) and return the image id."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "Dockerfile").write_text(f"FROM {base}\n" + textwrap.dedent(body))
+    from tvcache.sandboxes.docker import build_image
+
     return asyncio.run(build_image(tmp))

@@ -7,9 +7,11 @@ history uncached. Fault tests kill containers from outside and stop a (second, p
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ import tvcache
 from docker_env import (  # noqa: F401
     SecondDaemon,
     docker_base_fixture,
+    docker_tmp_fixture,
     dockerfile_image,
     labelled,
     oci_layout_from_save,
@@ -432,6 +435,32 @@ def test_a_models_bad_calls_are_answers_and_the_container_goes_on(task_image: st
     async def main() -> None:
         async with DockerSandboxes(task_image) as boxes:
             await bad_calls.check(boxes, bad_calls.SHELL, *bad_calls.SHELL_STATE)
+
+    run(main())
+
+
+def test_snapshots_live_on_the_daemons_filesystem(task_image: str, docker_tmp: Path) -> None:
+    """A copy keeps each directory's listing order only from and to one filesystem: with snapshots in /var/tmp
+    (ext4 here) and the daemon's data on tmpfs, a directory restored from a snapshot listed in another order than
+    uncached (`ls -f`: "sock x e" for "sock e x"). So `tmp` is the data root by default; one elsewhere is refused."""
+    elsewhere = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    try:
+        if elsewhere.stat().st_dev != docker_tmp.stat().st_dev:
+            with pytest.raises(ValueError, match="daemon's filesystem"):
+                DockerSandboxes(task_image, tmp=elsewhere)
+    finally:
+        elsewhere.rmdir()
+    look = "mkdir -p d && echo > d/x && mkdir d/e; echo > d/y; ls -f d"
+
+    async def main() -> None:
+        for tmp in (None, docker_tmp):
+            async with DockerSandboxes(task_image, tmp=tmp) as boxes:
+                assert Path(os.path.commonpath([boxes._layers, docker_tmp.parent])) == docker_tmp.parent
+                box = await boxes.create()
+                expected = await out(box, look)
+                other = await boxes.restore(await box.snapshot())
+                assert await out(other, "ls -f d") == expected
+                assert await out(other, "echo > d/z; ls -f d") == await out(box, "echo > d/z; ls -f d")
 
     run(main())
 

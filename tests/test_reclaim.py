@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from docker_env import docker_tmp_fixture  # noqa: F401  (a fixture, asked for by name)
 from tvcache import ToolCall
 from tvcache.sandboxes import reclaim
 from tvcache.sandboxes.sqlite import SQLiteSandboxes
@@ -532,7 +533,7 @@ def docker_owned_by(pid: int, tmp: Path) -> list[str]:
 
 @pytest.mark.parametrize("point", POINTS)
 def test_docker_the_next_factory_reclaims_a_killed_processs_containers_and_snapshots(
-    point: str, small_image: str, tmp_path: Path
+    point: str, small_image: str, docker_tmp: Path
 ) -> None:
     from tvcache.sandboxes.docker import DockerSandboxes
 
@@ -540,47 +541,47 @@ def test_docker_the_next_factory_reclaims_a_killed_processs_containers_and_snaps
         async with DockerSandboxes(small_image) as live:
             box = await live.create()
             await box.execute(ToolCall("bash", {"command": "echo live > mine"}))
-            child = Child("docker", small_image, str(tmp_path))
-            child.kill_once(point, lambda: bool(docker_owned_by(child.pid, tmp_path)))
-            assert docker_owned_by(child.pid, tmp_path)
-            async with DockerSandboxes(small_image, tmp=tmp_path) as after:
+            child = Child("docker", small_image, str(docker_tmp))
+            child.kill_once(point, lambda: bool(docker_owned_by(child.pid, docker_tmp)))
+            assert docker_owned_by(child.pid, docker_tmp)
+            async with DockerSandboxes(small_image, tmp=docker_tmp) as after:
                 await (await after.create()).close()
-                assert docker_owned_by(child.pid, tmp_path) == []
+                assert docker_owned_by(child.pid, docker_tmp) == []
             out = await box.execute(ToolCall("bash", {"command": "echo $(<mine)"}))
             assert out.output["output"] == "live\n"  # type: ignore[index]
 
     asyncio.run(go())
 
 
-def test_gc_lists_and_reclaims_a_killed_processs_docker_run(small_image: str, tmp_path: Path) -> None:
-    child = Child("docker", small_image, str(tmp_path))
-    child.kill_once(RNG.choice(POINTS), lambda: bool(docker_owned_by(child.pid, tmp_path)))
-    left = docker_owned_by(child.pid, tmp_path)
+def test_gc_lists_and_reclaims_a_killed_processs_docker_run(small_image: str, docker_tmp: Path) -> None:
+    child = Child("docker", small_image, str(docker_tmp))
+    child.kill_once(RNG.choice(POINTS), lambda: bool(docker_owned_by(child.pid, docker_tmp)))
+    left = docker_owned_by(child.pid, docker_tmp)
     assert left
 
     def gc(*options: str) -> str:
-        command = [sys.executable, "-m", "tvcache.cli", "gc", "--tmp", str(tmp_path), *options]
+        command = [sys.executable, "-m", "tvcache.cli", "gc", "--tmp", str(docker_tmp), *options]
         return subprocess.run(command, env=env(), capture_output=True, text=True, check=True).stdout
 
     line = next(line for line in gc("--dry-run").splitlines() if "docker" in line and f"pid {child.pid} " in line)
     assert line.split()[1] in ("B", "KiB", "MiB", "GiB") and "tvcache-" in line
-    assert docker_owned_by(child.pid, tmp_path) == left
+    assert docker_owned_by(child.pid, docker_tmp) == left
     gc()
-    assert docker_owned_by(child.pid, tmp_path) == []
+    assert docker_owned_by(child.pid, docker_tmp) == []
 
 
-def test_a_docker_snapshot_left_alone_by_a_killed_process_is_reclaimed(small_image: str, tmp_path: Path) -> None:
+def test_a_docker_snapshot_left_alone_by_a_killed_process_is_reclaimed(small_image: str, docker_tmp: Path) -> None:
     """A snapshot's files lie in the factory's tmp, named by their owner, with no container of the run left."""
     from tvcache.sandboxes.docker import DockerSandboxes
 
-    child = Child("docker-snapshot", small_image, str(tmp_path))
+    child = Child("docker-snapshot", small_image, str(docker_tmp))
     child.kill_at("idle", jitter=0)
-    left = docker_owned_by(child.pid, tmp_path)
+    left = docker_owned_by(child.pid, docker_tmp)
     assert left and all("/tvcache-docker-snapshots-" in item for item in left), left
 
     async def next_factory() -> None:
-        async with DockerSandboxes(small_image, tmp=tmp_path) as after:
+        async with DockerSandboxes(small_image, tmp=docker_tmp) as after:
             await (await after.create()).close()
 
     asyncio.run(next_factory())
-    assert docker_owned_by(child.pid, tmp_path) == []
+    assert docker_owned_by(child.pid, docker_tmp) == []

@@ -1,4 +1,4 @@
-"""Docker sandboxes: every sandbox is a container of one image, and a snapshot is a commit of it.
+"""Docker sandboxes: every sandbox is a container of one image, and a snapshot is a copy of its writable layer.
 
     boxes = DockerSandboxes("my-task:latest", timeout=60)        # or: await DockerSandboxes.build("task/")
     box = await boxes.create()
@@ -35,12 +35,13 @@ layer, over which overlayfs shows another size, link count and listing order for
 both sides of it. A snapshot copies the container's upper dir (its writable layer) instead, with the
 workspace's copy (`_layers.copy_layer`: relative to directory descriptors, never following a symlink, so a
 racing command cannot get host files into it) while the container is paused (the cgroup freezer), into
-`tmp`; a restore creates a container of the image and copies the snapshot into its empty upper dir before
+`tmp` (by default the daemon's data root: a copy keeps each directory's listing order only from and to one
+filesystem); a restore creates a container of the image and copies the snapshot into its empty upper dir before
 starting it, so every container is the image's layers plus one upper dir, as an uncached one is. Snapshots
 need the container's files on this machine (a local daemon with the overlay2 storage driver); elsewhere
 `snapshot()` raises SandboxError and the cache replays from a fresh container.
 
-**Scale.** Container creation, commits and removals go through one pipeline per factory that runs at most
+**Scale.** Container creation and removal go through one pipeline per factory that runs at most
 `create_concurrency` of them at once (the daemon's measured saturation point: more at once only makes each
 slower, and far more makes them fail) and retries what a loaded daemon rejects (see _pipeline). A
 sandbox has no network (only loopback) unless `network=True`; networked sandboxes share a pool of bridge
@@ -104,7 +105,7 @@ BUILD_REPO = "tvcache-build"
 #: PID 1 of every container: a shell blocked reading its (open, never written) stdin. A bash as PID 1 reaps
 #: orphans, and `kill -9 -1` inside the container cannot touch it.
 KEEPER = "while :; do read -r _ || sleep 1; done"
-#: Mounted read-only: Docker's own mounts, which a commit does not capture (writing them would be state that
+#: Mounted read-only: Docker's own mounts, which a snapshot does not capture (writing them would be state that
 #: no snapshot carries). Device nodes stay writable on a read-only /dev. The rest is Docker's default list.
 READONLY_PATHS = [
     "/dev",
@@ -190,7 +191,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
     - `max_processes`: processes a container may run at once (its pids limit); `memory` (bytes) and `cpus`
       (a fraction of cores) cap it when given.
     - `create_concurrency`: heavy daemon operations at once (None: no limit; only for measuring one).
-    - `tmp`: where snapshots live (default /dev/shm, a tmpfs, else the system's temp dir).
+    - `tmp`: where snapshots live: the daemon's data root (the default) or another directory on its filesystem.
     - `docker_url`: the daemon (default: $DOCKER_HOST, else the local socket).
     """
 
@@ -224,8 +225,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
             raise ValueError(f"memory must be a number of bytes >= 6 MiB, got {memory!r}")
         if cpus is not None and not (isinstance(cpus, int | float) and cpus > 0):
             raise ValueError(f"cpus must be a positive number, got {cpus!r}")
-        tmp = tmp if tmp is not None else ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        if not os.path.isdir(tmp):
+        if tmp is not None and not os.path.isdir(tmp):
             raise ValueError(f"tmp directory {os.fspath(tmp)!r} does not exist")
         if workdir is not None and not workdir.startswith("/"):
             raise ValueError(f"workdir must be an absolute path, got {workdir!r}")
@@ -239,7 +239,14 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         self.cpus = cpus
         self.docker_url = docker_url
         self._pipeline = Pipeline(create_concurrency)
-        info = _blocking(lambda docker: inspect_image(docker, image), docker_url)
+        info, root = _blocking(lambda docker: _image_and_root(docker, image), docker_url)
+        if tmp is None:
+            tmp = root if root is not None else ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        elif root is not None and os.stat(tmp).st_dev != os.stat(root).st_dev:
+            raise ValueError(
+                f"tmp {os.fspath(tmp)!r} must be on the Docker daemon's filesystem (that of its data root {root!r}, "
+                "the default): a copy keeps each directory's listing order only from and to one filesystem"
+            )
         config = info.get("Config") or {}
         self.image_id: str = info["Id"]
         self.user: str = config.get("User") or ""
@@ -427,6 +434,17 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         finally:
             await self._pipeline.run(f"unpausing container {container.id[:12]}", container.unpause)
         return dest
+
+
+async def _image_and_root(docker: aiodocker.Docker, image: str) -> tuple[dict[str, Any], str | None]:
+    """The daemon's record of `image`, and its data root if that is a directory on this machine."""
+    info = await inspect_image(docker, image)
+    try:
+        root = (await docker.system.info()).get("DockerRootDir")
+    except Exception:  # an old or odd daemon: snapshots then live in /dev/shm
+        root = None
+    local = isinstance(root, str) and await asyncio.to_thread(os.path.isdir, root)
+    return info, root if local else None
 
 
 def _local_dir(info: dict[str, Any], which: str) -> str | None:

@@ -10,7 +10,7 @@ around them. The exec runs a small wrapper bash, which
 - runs the command in an inner bash: with an empty environment (`exec -c`) once the exports are known, so an
   `unset` stays unset, or with the container's own environment for the very first command;
 - then ends every process the command left running (`kill -9 -1` spares only PID 1 and the wrapper itself,
-  as the workspace's per-command PID namespace would), empties /dev/shm and /dev/mqueue (mounts a commit does
+  as the workspace's per-command PID namespace would), empties /dev/shm and /dev/mqueue (mounts a snapshot does
   not capture, so they must not carry state from one command to the next), and writes an end marker with the
   command's exit status. A command whose wrapper died (the container was killed, or the command killed its
   own parent) has no marker, so a cut-off output is never taken for a finished one.

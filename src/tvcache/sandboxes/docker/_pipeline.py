@@ -1,4 +1,4 @@
-"""The one way in to the Docker daemon for heavy operations: container creation, commits and removals.
+"""The one way in to the Docker daemon for heavy operations: container creation and removal.
 
 A daemon asked for hundreds of containers at once does not get faster: it thrashes (locks, cgroup and mount
 set-up, overlay mounts), and past some point requests start failing with timeouts. The published system hit
@@ -27,7 +27,7 @@ T = TypeVar("T")
 
 RETRIES = 6
 FIRST_BACKOFF = 0.05
-#: A single daemon request may wait this long (a commit of a big diff takes seconds, a hung daemon forever).
+#: A single daemon request may wait this long (a loaded daemon takes seconds, a hung one forever).
 REQUEST_TIMEOUT = 300.0
 
 
