@@ -71,27 +71,6 @@ def secret() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def base() -> Iterator[Path]:
-    """The task: a few files, a set-uid one, a hard link, a symlink, a FIFO, at /testbed."""
-    path = Path(tempfile.mkdtemp(prefix="tvcache-i19-", dir="/var/tmp"))
-    path.chmod(0o755)
-    (path / "README").write_text("the readme\n")
-    (path / "data").mkdir()
-    (path / "data" / "a.txt").write_text("a\n")
-    (path / "data" / "b.txt").write_text("b\n")
-    (path / "src").mkdir()
-    (path / "src" / "main.py").write_text("print('hi')\n")
-    os.chmod(path / "src" / "main.py", 0o4755)
-    os.link(path / "README", path / "hl")
-    os.symlink("README", path / "sym")
-    os.mkfifo(path / "fifo")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
 def image(request: pytest.FixtureRequest) -> str:
     """The same task as a Docker image (tests/test_docker_fidelity.py's, which has the attr and libcap tools)."""
     pytest.importorskip("aiodocker", reason="the docker extra is not installed")
@@ -101,6 +80,7 @@ def image(request: pytest.FixtureRequest) -> str:
 # The Docker image fixtures, by name.
 from docker_env import docker_base_fixture, docker_root, docker_tmp_fixture  # noqa: E402, F401
 from test_docker_fidelity import fuzz_image  # noqa: E402, F401
+from test_snapshot_fidelity import workspace  # noqa: E402, F401  (the task at /testbed, as the image has it)
 
 
 def task(kind: str, request: pytest.FixtureRequest) -> tuple[str, Path]:
@@ -109,7 +89,7 @@ def task(kind: str, request: pytest.FixtureRequest) -> tuple[str, Path]:
     filesystem, their lower layer), on the daemon's filesystem for Docker, anywhere for a server's files."""
     if kind in MODES and AVAILABLE[kind] is not None:
         pytest.skip(f"{kind} isolation does not work here: {AVAILABLE[kind]}")
-    where = str(request.getfixturevalue("image" if "docker" in kind else "base"))
+    where = str(request.getfixturevalue("image" if "docker" in kind else "workspace"))
     tmp = {"docker": "docker_tmp", "remote-workspace": "tmp_path", "remote-docker": "tmp_path"}.get(kind, "shm_tmp")
     return where, Path(request.getfixturevalue(tmp))
 
@@ -566,7 +546,7 @@ def test_a_slowloris_leaves_95_percent_of_legitimate_requests_served(
     if which == "serve":
         server: Server = Server(tmp_path, "memory://", TOKEN, nofile=1024)
     else:
-        sandbox = ["--sandbox", "workspace", "--base", str(request.getfixturevalue("base"))]
+        sandbox = ["--sandbox", "workspace", "--base", str(request.getfixturevalue("workspace"))]
         server = SandboxServer(tmp_path, sandbox, TOKEN, nofile=1024)
     with server:
         attack = Slowloris(server.port, 1100)
@@ -588,22 +568,28 @@ PROBE = "cd /testbed && mkdir -p q && echo x > q/x && rm data/b.txt && echo y > 
 READ_INODES = "cd /testbed && stat -c '%n %i' q q/x y && df --output=iused . | tail -1"
 
 
+def two_fresh(kind: str, request: pytest.FixtureRequest, look: str) -> list[str]:
+    """What `look` prints after PROBE in two fresh sandboxes of `kind`, uncached."""
+    where, tmp = task(kind, request)
+
+    async def main() -> list[str]:
+        async with sandboxes(kind, where, tmp) as boxes:
+            seen = []
+            for _ in range(2):
+                box = await boxes.create()
+                await output(box, PROBE)
+                seen.append(await output(box, look))
+                await box.close()
+            return seen
+
+    return list(run(main()))
+
+
 @pytest.mark.parametrize("local", [*MODES, "docker"])
 def test_change_times_differ_between_two_uncached_runs(local: str, request: pytest.FixtureRequest) -> None:
     """Why change times are an exception: the kernel sets them from the clock, so two fresh sandboxes that ran the
     same history print other ones (and a restored one prints the restore's)."""
-    where, tmp = task(local, request)
-
-    async def main() -> list[str]:
-        async with sandboxes(local, where, tmp) as boxes:
-            seen = []
-            for _ in range(2):
-                box = await boxes.create()
-                seen.append(await output(box, PROBE + " && stat -c '%n %.9Z' q q/x y"))
-                await box.close()
-            return seen
-
-    first, second = run(main())
+    first, second = two_fresh(local, request, "cd /testbed && stat -c '%n %.9Z' q q/x y")
     assert first != second
 
 
@@ -611,19 +597,7 @@ def test_change_times_differ_between_two_uncached_runs(local: str, request: pyte
 def test_inode_numbers_and_df_i_of_a_workspace_are_state(mode: str, request: pytest.FixtureRequest) -> None:
     """In a workspace sandbox (its own tmpfs) inode numbers and `df -i` do not depend on the clock or the machine:
     two fresh sandboxes that ran the same history print the same ones. So they are state, not an exception."""
-    where, tmp = task(mode, request)
-
-    async def main() -> list[str]:
-        async with sandboxes(mode, where, tmp) as boxes:
-            seen = []
-            for _ in range(2):
-                box = await boxes.create()
-                await output(box, PROBE)
-                seen.append(await output(box, READ_INODES))
-                await box.close()
-            return seen
-
-    first, second = run(main())
+    first, second = two_fresh(mode, request, READ_INODES)
     assert first == second
 
 
