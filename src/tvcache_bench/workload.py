@@ -188,7 +188,7 @@ async def _workspace(
 
     if (base is None) == (image is None):
         raise ValueError("--sandbox workspace needs --base DIR or --image IMAGE (one of them)")
-    options: dict[str, Any] = {"read_sets": True}  # reuse by what a call read, for tvcache's strategy
+    options: dict[str, Any] = {}
     if timeout is not None and "timeout" in inspect.signature(WorkspaceSandboxes).parameters:
         options["timeout"] = timeout
     if image is not None:

@@ -628,7 +628,7 @@ class _Masked:
 
 
 def make_sandboxes(
-    base: Base, *, timeout: float = TIMEOUT, tmp: str | None = None, read_sets: bool = True
+    base: Base, *, timeout: float = TIMEOUT, tmp: str | None = None, read_sets: bool = False
 ) -> MaskedSandboxes:
     """Workspace sandboxes over `base`: /testbed and the environment, the network off, commands traced for their
     read sets (`read_sets`)."""
@@ -656,7 +656,7 @@ def build_workload(
     root: str | Path | None = None,
     tmp: str | None = None,
     log: Log | None = None,
-    read_sets: bool = True,
+    read_sets: bool = False,
 ) -> Workload:
     """The `swe` workload: the rollouts of the first `tasks` instances of `swe-dev.jsonl` (all 12 when
     None), each instance in sandboxes over its base (built on first use, see `build_base`). `timeout` is

@@ -366,7 +366,7 @@ def build_workload(tasks: int | None = None, *, timeout: float = 60.0) -> Worklo
     from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
     traces = first_tasks(read_traces(TRACES), tasks)
-    factory = WorkspaceSandboxes(BASE, timeout=timeout, read_sets=True)  # for every strategy alike
+    factory = WorkspaceSandboxes(BASE, timeout=timeout)
     return Workload(
         name="terminal",
         traces=traces,
