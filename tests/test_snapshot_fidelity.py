@@ -143,7 +143,7 @@ def shell(op: tuple[Any, ...]) -> str:
         case "several":  # entries made in one step, in an order their names do not have
             return f"mkdir -p {p} && touch {p}/n1 {p}/b {p}/n0 {p}/a && mkdir {p}/c"
         case "system":
-            return f"printf %s {p!r} >> /opt/tvcache-fuzz && ls -la --time-style=+%s.%N / /opt | grep -v proc"
+            return f"printf %s {p!r} >> /opt/tvcache-fuzz && ls -la --ignore=proc --time-style=+%s.%N / /opt"
     raise AssertionError(kind)
 
 
@@ -152,7 +152,7 @@ OBSERVE = r"""
 cd /testbed
 echo '== ls'; ls -laR --time-style=+%s.%N . 2>&1
 echo '== stat'; find . -exec stat -c '%n|%F|%A|%h|%u:%g|%s|%b|%t:%T|%.9Y|ino=%i|ctime=%.9Z|%N' {} + 2>&1
-echo '== roots'; stat -c '%n|%F|%A|%h|%s|%.9Y' / /opt /testbed; ls -la --time-style=+%s.%N / | grep -v proc
+echo '== roots'; stat -c '%n|%F|%A|%h|%s|%.9Y' / /opt /testbed; ls -la --ignore=proc --time-style=+%s.%N /
 echo '== order'; find . 2>&1
 echo '== xattrs'; getfattr -R -P -d -m - -e hex . 2>&1
 echo '== caps'; getcap -r . 2>&1
