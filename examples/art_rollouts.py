@@ -17,7 +17,6 @@ stand-in, `ScriptedPolicy` (scripted_model.py): a chat-completions server on loo
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -29,7 +28,9 @@ from typing import Any
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import art
-from scripted_model import ScriptedPolicy  # examples/scripted_model.py: the stand-in for a model server
+
+# examples/scripted_model.py: the stand-in for a model server, and the examples' command line
+from scripted_model import ScriptedPolicy, policy_arguments
 
 from tvcache.integrations import process_sync_cache
 from tvcache.integrations.art import cached_tools, results
@@ -182,13 +183,5 @@ async def main(
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", help="an OpenAI-compatible server (default: a built-in scripted policy)")
-    parser.add_argument("--model", default="scripted-policy", help="the model the server serves")
-    parser.add_argument("--rollouts", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--plain", action="store_true", help="run the rollouts without tvcache, to compare")
-    args = parser.parse_args()
-    if args.base_url and args.model == "scripted-policy":
-        parser.error("--base-url needs --model: the model the server serves")
-    asyncio.run(main(args.base_url, args.model, args.rollouts, args.epochs, not args.plain))
+    args = policy_arguments(__doc__, uncached="--plain")
+    asyncio.run(main(args.base_url, args.model, args.rollouts, args.epochs, args.cached))

@@ -16,7 +16,6 @@ The rollouts of a group run concurrently, as `art.gather_trajectory_groups` runs
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -28,7 +27,9 @@ from typing import Any
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import art
-from scripted_model import ScriptedPolicy  # examples/scripted_model.py: the stand-in for a model server
+
+# examples/scripted_model.py: the stand-in for a model server, and the examples' command line
+from scripted_model import ScriptedPolicy, cache_line, policy_arguments
 
 import tvcache
 from tvcache.integrations.art import cached_rollout
@@ -208,20 +209,10 @@ async def main(
                     f"{graded} of {len(rewards)} gradings executed"
                 )
             stats = cache.stats()
-            print(
-                f"cache: {stats['calls']:.0f} calls, {stats['hits']:.0f} hits, {stats['executions']:.0f} executions, "
-                f"{stats['seconds_saved']:.1f} s of tool time saved"
-            )
+            print(cache_line(stats))
             return steps
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", help="an OpenAI-compatible server (default: a built-in scripted policy)")
-    parser.add_argument("--model", default="scripted-policy", help="the model the server serves")
-    parser.add_argument("--rollouts", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=2)
-    args = parser.parse_args()
-    if args.base_url and args.model == "scripted-policy":
-        parser.error("--base-url needs --model: the model the server serves")
+    args = policy_arguments(__doc__)
     asyncio.run(main(args.base_url, args.model, args.rollouts, args.epochs))

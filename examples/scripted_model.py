@@ -8,6 +8,7 @@ A policy is a list of plans; a plan is the turns of one rollout, each turn the t
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from collections.abc import Sequence
@@ -77,3 +78,35 @@ class ScriptedPolicy:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self._runner.cleanup()
+
+
+#: The model name the stand-in serves, and the default of `--model`.
+MODEL = "scripted-policy"
+
+
+def policy_arguments(doc: str, *, uncached: str | None = None) -> argparse.Namespace:
+    """The command line of every example driven by a policy: `--base-url` (default: the stand-in), `--model`,
+    `--rollouts`, `--epochs`, and where given the flag `uncached` ("--plain") that runs the example without tvcache
+    (`args.cached` False)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--base-url", help="an OpenAI-compatible server (default: a built-in scripted policy)")
+    parser.add_argument("--model", default=MODEL, help="the model the server serves")
+    parser.add_argument("--rollouts", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=2)
+    if uncached:
+        parser.add_argument(uncached, dest="uncached", action="store_true", help="run without tvcache, to compare")
+    args = parser.parse_args()
+    if args.base_url and args.model == MODEL:
+        parser.error("--base-url needs --model: the model the server serves")
+    args.cached = not getattr(args, "uncached", False)
+    return args
+
+
+def cache_line(stats: dict[str, float]) -> str:
+    """The last line the examples print: what the cache did."""
+    saved = stats["seconds_saved"]
+    shown = f"{saved:.1f} s" if saved >= 1 else f"{saved * 1e3:.1f} ms"
+    return (
+        f"cache: {stats['calls']:.0f} calls, {stats['hits']:.0f} hits, {stats['executions']:.0f} executions, "
+        f"{shown} of tool time saved"
+    )

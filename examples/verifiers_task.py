@@ -14,14 +14,15 @@ and rewards) runs as it would with a model. `--no-cache` runs the plain task, as
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 from typing import Any
 
 import verifiers.v1 as vf
-from scripted_model import ScriptedPolicy  # examples/scripted_model.py: the stand-in for a model server
+
+# examples/scripted_model.py: the stand-in for a model server, and the examples' command line
+from scripted_model import ScriptedPolicy, cache_line, policy_arguments
 
 import tvcache
 from tvcache.integrations import process_cache, process_sandboxes
@@ -130,21 +131,10 @@ async def main(
             print(line)
     if cached:
         stats = process_cache().stats()
-        print(
-            f"cache: {stats['calls']:.0f} calls, {stats['hits']:.0f} hits, {stats['executions']:.0f} executions, "
-            f"{stats['seconds_saved']:.1f} s of tool time saved"
-        )
+        print(cache_line(stats))
     return groups
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", help="an OpenAI-compatible server (default: a built-in scripted policy)")
-    parser.add_argument("--model", default="scripted-policy", help="the model the server serves")
-    parser.add_argument("--rollouts", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--no-cache", action="store_true", help="run the plain verifiers task")
-    args = parser.parse_args()
-    if args.base_url and args.model == "scripted-policy":
-        parser.error("--base-url needs --model: the model the server serves")
-    asyncio.run(main(args.base_url, args.model, args.rollouts, args.epochs, not args.no_cache))
+    args = policy_arguments(__doc__, uncached="--no-cache")
+    asyncio.run(main(args.base_url, args.model, args.rollouts, args.epochs, args.cached))

@@ -170,7 +170,7 @@ def test_the_example_runs_without_arguments_on_its_scripted_policy(tmp_path: Pat
     assert lines[0].endswith("; 2 of 8 gradings executed")
     assert rewards_of(lines[1]) == [0.67] * 2 + [1.0] * 6  # plans 2, 0, 1, 2, 0, 1, 2, 0
     assert re.search(r"; (\d+) of \1 tool calls hit; 0 of 8 gradings executed$", lines[1]), lines[1]
-    assert re.fullmatch(r"cache: \d+ calls, \d+ hits, \d+ executions, [\d.]+ s of tool time saved", lines[2])
+    assert re.fullmatch(r"cache: \d+ calls, \d+ hits, \d+ executions, [\d.]+ m?s of tool time saved", lines[2])
 
 
 # -- the drop-in for tools over Python state: ART alone next to ART + cached_tools ---------------------------------

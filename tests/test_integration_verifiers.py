@@ -224,4 +224,4 @@ def test_the_example_runs_without_arguments_on_its_scripted_policy(tmp_path: Pat
     assert rewards_of(lines[1]) == [0.33] * 2 + [1.0] * 6  # plans 2, 0, 1, 2, 0, 1, 2, 0
     hits, calls = (int(n) for n in re.findall(r"; (\d+) of (\d+) calls hit$", lines[1])[0])
     assert hits == calls > 0, lines[1]
-    assert re.fullmatch(r"cache: \d+ calls, \d+ hits, \d+ executions, [\d.]+ s of tool time saved", lines[2])
+    assert re.fullmatch(r"cache: \d+ calls, \d+ hits, \d+ executions, [\d.]+ m?s of tool time saved", lines[2])
