@@ -72,6 +72,6 @@ def test_the_installed_wheel_runs_the_main_job_from_an_empty_directory(tmp_path:
     assert sorted(p.name for p in empty.iterdir()) == ["figures.json"]  # nothing else written where it ran
     figures = json.loads((empty / "figures.json").read_text())
     strategies = figures["strategies"]
-    assert figures["tasks"] == 64 and set(strategies) == {"none", "naive", "paper", "tvcache"}
+    assert figures["tasks"] == 64 and set(strategies) == {"none", "naive", "paper", "exact", "tvcache"}
     assert strategies["tvcache"]["incorrect_hits"] == 0 and strategies["tvcache"]["hit_rate"] > 0.5
     assert strategies["naive"]["incorrect_hits"] > 0  # the oracle check ran on the shipped data

@@ -198,6 +198,8 @@ def _made_in_order(root: int, new: list[Parts]) -> list[Parts]:
                 position = {name: i for i, name in enumerate(os.listdir(fd)) if name in wanted}
             finally:
                 os.close(fd)
+            if len(position) < len(wanted):  # one went between the plan and this listing: not what the kernel said
+                raise NotIncremental(f"{sorted(wanted - position.keys())[0]!r} went while the delta was planned")
             names.sort(key=lambda name: -position[name])
         ordered.extend((*parent, name) for name in names)
     return ordered
