@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -346,17 +347,12 @@ class Rollout:
         if found is None:
             return None
         entry = Entry(MEMO, found.output, found.seconds, call.label())
-        try:
-            output = decode_output(entry.output)
-        except ValueError as exc:
-            ctx.store_failed(StoreError(f"a stored candidate of {call.tool!r} does not decode: {exc}"))
+        result = self._hit(call, entry, "reads", start)  # decoded and counted as any hit, before it is recorded
+        if result is None:
             return None
         await self._record(claim, entry, reused=True)
-        for stats in (ctx.stats, self.stats):
-            stats.hits += 1
-            stats.seconds_saved += entry.seconds
         ctx.stats.read_set_hits += 1
-        return Result(output, True, time.perf_counter() - start, "reads")
+        return dataclasses.replace(result, seconds=time.perf_counter() - start)  # the record is the caller's wait too
 
     async def _keep(self, call: ToolCall, candidate: Candidate | None) -> None:
         """Keep a read-only result with what it read, for rollouts in other states."""
