@@ -31,7 +31,9 @@ __all__ = [
     "MS_PRIVATE",
     "MS_REC",
     "RESOLVE_IN_ROOT",
+    "TMPFS_MAGIC",
     "bind_mount",
+    "filesystem_type",
     "mount",
     "new_netns",
     "openat2",
@@ -80,12 +82,22 @@ MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
+TMPFS_MAGIC = 0x01021994
 
 
 def _raise(what: str, detail: str = "") -> None:
     err = ctypes.get_errno()
     message = f"{what}: {os.strerror(err)}"
     raise OSError(err, message + (f" ({detail})" if detail else ""))
+
+
+def filesystem_type(path: str) -> int:
+    """statfs's `f_type` of the filesystem holding `path` (a magic number such as TMPFS_MAGIC): the first field of
+    struct statfs on every Linux ABI, a long."""
+    buf = ctypes.create_string_buffer(256)  # larger than struct statfs anywhere
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        _raise("statfs", path)
+    return ctypes.c_long.from_buffer(buf).value
 
 
 def _syscall(number: int, *args: object) -> int:

@@ -74,6 +74,7 @@ from typing import Any, Literal
 
 from ...calls import ToolCall
 from .. import _fastpaths as fast
+from .. import _syscalls as sc
 from .._layers import listing_digest
 from .._shell import CommandResult, ShellState, run_bash, unfinished
 from ..base import Outcome, SandboxError
@@ -203,7 +204,8 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
       ones on top), or a mapping {mount point: directory or list}. Mapping "/" replaces the system root
       (e.g. an image's layer directories, bottom first).
     - `system`: the root filesystem beneath the workspace (default: the host's `/`).
-    - `tmp`: where upper dirs, layers and copies live (default /dev/shm, which is tmpfs).
+    - `tmp`: where upper dirs, layers and copies live; a tmpfs (default /dev/shm), which alone keeps a
+      directory's listing order through a copy.
     - `network`: False gives every command a private network namespace with only loopback.
     - `timeout`: seconds per tool call; `max_output`: bytes of output kept per call.
     - `cwd`: the shell's initial directory (default: the first workspace mount point); `env`: its initial
@@ -266,6 +268,15 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         tmp_path = Path(tmp if tmp is not None else "/dev/shm")
         if not tmp_path.is_dir():
             raise ValueError(f"tmp directory {os.fspath(tmp_path)!r} does not exist")
+        if sc.filesystem_type(os.fspath(tmp_path)) != sc.TMPFS_MAGIC:
+            # Layers and copies are made in the reverse of the order tmpfs lists a directory in, so that a restored
+            # directory lists as the sandbox's did; another filesystem lists in an order of its own (ext4: by a
+            # hash of the names), and a restore would print another listing order than the uncached run.
+            raise ValueError(
+                f"tmp {os.fspath(tmp_path)!r} is not on a tmpfs: snapshots live there, and only tmpfs keeps the "
+                "order a directory lists in through a copy; pick one (the default /dev/shm is), or mount a tmpfs "
+                "of the size you need (mount -t tmpfs -o size=20g tmpfs DIR)"
+            )
         find_bwrap()
 
         super().__init__()
