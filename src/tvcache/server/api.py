@@ -6,7 +6,8 @@ nothing changed) before a handler runs when it is unauthenticated, too large, to
 match the wire types. Around that: `/openapi.json`, `/metrics`, request latencies and the lifespan.
 
 A bare ASGI app rather than a framework: a request is one dict lookup for the route, one msgspec decode, the
-handler, one encode.
+handler, one encode. The connection protocol (`run.py`) may go further for an app's `eager` paths: `JSONApi.start`
+serves a request that came whole without the ASGI machinery at all.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, MutableMapping, Sequence
+import types
+from collections.abc import Awaitable, Callable, Coroutine, Generator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ __all__ = [
     "BODY_READ",
     "DEFAULT_MAX_BODY",
     "DEFAULT_READ_TIMEOUT",
+    "STARTED",
     "ClientGone",
     "HTTPError",
     "JSONApi",
@@ -53,6 +56,8 @@ JSON_TYPE = (b"content-type", b"application/json")
 # A scope key the server's connection protocol (`run.py`) sets once the whole request, body included, is read: the
 # app then reads the body without arming a deadline of its own (an `asyncio.timeout` cost a lookup 6 of its 42 us).
 BODY_READ = "tvcache.body_read"
+# A scope key holding the rest of a handler `JSONApi.start` began and that has to wait (see there).
+STARTED = "tvcache.started"
 _CLOSE = (b"connection", b"close")
 
 
@@ -75,7 +80,7 @@ class ClientGone(Exception):
 class _Route:
     endpoint: Endpoint
     decoder: msgspec.json.Decoder[Any] | None
-    handler: Callable[[Any, Receive], Awaitable[Any]]
+    handler: Callable[[Any, Receive], Coroutine[Any, Any, Any]]
     latency: Latency
 
 
@@ -85,6 +90,8 @@ class JSONApi:
     (how an exception from a handler is answered) and `_page` (paths outside the API)."""
 
     _known_pages: frozenset[str] = frozenset({"/openapi.json", "/metrics"})  # latency is kept per known path
+    # The paths of operations `start` may serve: handlers that do not read `receive` and may run outside a task.
+    eager: frozenset[bytes] = frozenset()
 
     def __init__(
         self,
@@ -208,13 +215,16 @@ class JSONApi:
 
     async def _answer(self, route: _Route, scope: Scope, receive: Receive) -> bytes:
         """The JSON reply to a request for one of the API's operations."""
+        started = scope.get(STARTED)
+        if started is not None:  # checked and begun by `start`
+            return self._encoder.encode(await started)
         endpoint = route.endpoint
         request = None
         try:
             if scope["method"] != endpoint.method:
                 raise HTTPError(405, f"{endpoint.path} takes {endpoint.method}", [(b"allow", endpoint.method.encode())])
             if endpoint.auth:
-                self._authenticate(scope)
+                self._authenticate(scope["headers"])
             if route.decoder is not None:
                 body = await self._body(scope, receive)
                 try:
@@ -227,6 +237,38 @@ class JSONApi:
         reply = await route.handler(request, receive)
         return self._encoder.encode(reply)
 
+    def start(self, path: str, headers: Headers, body: bytes) -> bytes | Awaitable[Any] | None:
+        """Serve a POST to one of the `eager` paths whose request (head and body) is read, at once and without
+        the ASGI machinery (a task, a request cycle, a write for the head and one for the body: half of a
+        lookup's server time). The connection protocol calls it, and writes the reply itself.
+
+        Returns the encoded reply when the handler finished without waiting (an in-process store's lookup);
+        the rest of the handler when it must wait (the protocol hands it to the app in the scope, under
+        STARTED, and the general path answers with its result or its error); None for a request the general
+        path must answer or refuse (no token, not JSON, too large, invalid): it runs every check again and
+        the handler has not run."""
+        route = self._routes.get(path)
+        if route is None or route.decoder is None or len(body) > self._max_body:  # (a chunked body says no length)
+            return None
+        try:
+            if route.endpoint.auth:
+                self._authenticate(headers)
+            self._check_body(headers)
+            request = route.decoder.decode(body)
+        except (HTTPError, msgspec.DecodeError):
+            return None
+        begun = time.perf_counter()
+        handler = route.handler(request, _no_receive)
+        try:
+            waiting = handler.send(None)
+        except StopIteration as finished:
+            reply = self._encoder.encode(finished.value)
+            route.latency.add(time.perf_counter() - begun, 200)
+            return reply
+        except Exception as exc:  # answered as from any handler (a failed store: 503)
+            return _raise(exc)
+        return _resume(handler, waiting)
+
     def _other(self, path: str, scope: Scope) -> tuple[Headers, bytes]:
         if scope["method"] not in ("GET", "HEAD"):
             if path not in self._known_pages:
@@ -235,14 +277,14 @@ class JSONApi:
         if path == "/openapi.json":
             return [JSON_TYPE], self._openapi
         if path == "/metrics":
-            self._authenticate(scope)
+            self._authenticate(scope["headers"])
             return [(b"content-type", METRICS_CONTENT_TYPE.encode())], self._metrics.render()
         return self._page(path, scope)
 
-    def _authenticate(self, scope: Scope) -> None:
+    def _authenticate(self, headers: Headers) -> None:
         if self._token is None:
             return
-        for name, value in scope["headers"]:
+        for name, value in headers:
             if name == b"authorization":
                 scheme, _, given = value.partition(b" ")
                 if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._token):
@@ -250,8 +292,9 @@ class JSONApi:
                 break
         raise HTTPError(401, "missing or wrong bearer token", [(b"www-authenticate", b'Bearer realm="tvcache"')])
 
-    async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        for name, value in scope["headers"]:
+    def _check_body(self, headers: Headers) -> None:
+        """Refuse a body that says it is too large or not JSON, before reading it."""
+        for name, value in headers:
             if name == b"content-length":
                 if not value.isdigit():
                     raise HTTPError(400, "invalid Content-Length")
@@ -259,6 +302,9 @@ class JSONApi:
                     raise HTTPError(413, f"request body over the {self._max_body}-byte limit")
             elif name == b"content-type" and not value.lower().startswith(b"application/json"):
                 raise HTTPError(415, "request bodies are JSON: send Content-Type: application/json")
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+        self._check_body(scope["headers"])
         if scope.get(BODY_READ):  # all here: receive() answers at once
             return await self._read(receive)
         try:
@@ -281,6 +327,27 @@ class JSONApi:
             if not message.get("more_body", False):
                 return b"".join((*chunks, chunk)) if chunks else chunk
             chunks.append(chunk)
+
+
+@types.coroutine
+def _resume(handler: Coroutine[Any, Any, Any], waiting: Any) -> Generator[Any, Any, Any]:
+    """The rest of `handler`, begun outside a task and stopped at `waiting` (what it yielded to the event loop):
+    awaited in a task, it waits for that as the handler would have, then resumes the handler where it stopped."""
+    try:
+        yield waiting
+    except BaseException:  # cancelled (the server stops): end the handler where it waits
+        handler.close()
+        raise
+    return (yield from handler.__await__())
+
+
+async def _raise(exc: Exception) -> Any:
+    raise exc
+
+
+async def _no_receive() -> Message:
+    """`receive` for a handler `start` runs: eager handlers do not read it."""
+    raise RuntimeError("an eager handler read the request stream")
 
 
 async def disconnected(receive: Receive) -> None:

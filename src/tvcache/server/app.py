@@ -14,6 +14,7 @@ from typing import Any
 
 from ..graph import Entry
 from ..stores.base import Store, StoreError, TaskInfo
+from ..stores.memory import MemoryStore
 from ..stores.wire import (
     ENDPOINTS,
     AddCandidateRequest,
@@ -111,6 +112,10 @@ class CacheApp(JSONApi):
             for path, (name, kind) in _STATIC.items()
         }
         self._known_pages = self._known_pages | set(_STATIC)
+        # The memory store answers without waiting, so its operations can run before any task; `wait` reads the
+        # request stream (a hang-up ends it), which only the general path offers.
+        if isinstance(store, MemoryStore):
+            self.eager = frozenset(e.path.encode() for e in ENDPOINTS if e.request is not None and e.name != "wait")
 
     def _background(self) -> list[Coroutine[Any, Any, None]]:
         return [self._sample()]
