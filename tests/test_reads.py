@@ -18,8 +18,8 @@ from redis_server import redis_cluster, redis_server  # noqa: F401  (fixtures fo
 from server_helpers import Server
 from test_stores import ROOT, SCOPE, make_store
 from tvcache.graph import EDGE, MAX_CANDIDATES, MEMO, Candidate, Entry
-from tvcache.reads import Writes, choose
-from tvcache.sandboxes.base import BaseDigests
+from tvcache.reads import Writes, candidate_of, choose
+from tvcache.sandboxes.base import BaseDigests, Outcome
 from tvcache.sandboxes.sqlite import SQLiteSandboxes
 from tvcache.stores import StoreError
 from tvcache.stores.memory import MemoryStore
@@ -69,6 +69,9 @@ def test_candidates_are_kept_newest_first_bounded_and_deduplicated(store: Any) -
         empty = Candidate({}, b"", 0.0)  # a call that read nothing observable (a constant)
         await store.add_candidate(key, D2, empty)
         assert await store.candidates(key, D2) == [empty]
+        edge = Candidate({"table:main.a": "d0"}, b"ok", 0.5, "c", {"table:main.a": "d1", "path:/x": ""})
+        await store.add_candidate(key, D2, edge)  # a state-changing call: its writes come back with it
+        assert await store.candidates(key, D2) == [edge, empty]
 
     asyncio.run(main())
 
@@ -178,6 +181,31 @@ def test_choose_takes_the_newest_candidate_whose_reads_all_match() -> None:
     assert asyncio.run(pick([unknown], {})) is None  # a key the factory does not know matches nothing
     base.asked = 0
     assert asyncio.run(pick([new], {"a": "2", "b": "1"})) == b"new" and base.asked == 0  # all known: no base asked
+
+
+def test_a_state_changing_candidate_reads_what_it_wrote_as_it_was_before() -> None:
+    """A call that read and wrote a key (a hazard) is kept with that key's digest from the rollout's state before
+    the call, whatever the sandbox reported; when that digest is unknown, or the writes or the state are, no
+    candidate. A read-only candidate needs the sandbox's word that nothing changed."""
+    base = Base({"k": "k0", "r": "r0"})
+    after = Outcome("ok", changed=True, reads={"k": "k-after", "r": "r0"}, writes={"k": "k1", "new": "n1"})
+
+    def of(outcome: Outcome, *, edge: bool = True, before: dict[str, str] | None = None) -> Candidate | None:
+        state = {} if before is None else before
+        return asyncio.run(candidate_of(outcome, b"ok", 0.5, "c", edge=edge, before=state, base=base))
+
+    made = of(after)
+    assert made is not None and made.reads == {"k": "k0", "r": "r0"} and made.writes == {"k": "k1", "new": "n1"}
+    moved = of(after, before={"k": "k5"})  # an earlier edge of the rollout wrote k
+    assert moved is not None and moved.reads["k"] == "k5"
+    assert of(Outcome("ok", changed=True, reads={"new": "x"}, writes={"new": "n1"})) is None  # base has no "new"
+    assert of(Outcome("ok", changed=True, reads={"r": "r0"}, writes=None)) is None  # writes unknown
+    assert asyncio.run(candidate_of(after, b"ok", 0.5, "c", edge=True, before=None, base=base)) is None
+    assert of(Outcome("ok", changed=True, reads=None, writes={"k": "k1"})) is None
+    assert of(Outcome("ok", changed=True, reads={"r": "r0"}, writes={"k": "k1"}, error=True)) is None
+    read_only = Outcome("ok", changed=False, reads={"r": "r0"})
+    assert of(read_only, edge=False) == Candidate({"r": "r0"}, b"ok", 0.5, "c")
+    assert of(Outcome("ok", changed=None, reads={"r": "r0"}), edge=False) is None  # annotated read-only: no word
 
 
 def test_writes_are_unknown_for_good_once_one_edge_is() -> None:

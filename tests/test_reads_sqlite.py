@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import kv
 import tvcache
 from test_oracle import NaiveCache, Plan, check_against_oracle, run_plan
 from tvcache import ToolCall
@@ -90,7 +91,22 @@ def test_a_read_names_the_tables_it_read_and_their_definitions(db: Path) -> None
     # Which name was missing is not reported: an error reads both schemas whole.
     assert missing.output == "Error: no such table: nosuch" and keys(missing) == {"schema:main", "schema:temp"}
     assert keys(constant) == set()
-    assert join.writes is None and view_made.reads is None
+    assert join.writes is None and keys(view_made) == {"schema:main", "def:main.w"}  # what it touched, before
+
+
+def test_a_write_reads_what_it_touched_as_it_was_before(db: Path) -> None:
+    """A state-changing statement's reads are every key it touched, with the digests from before it ran (a write
+    reads what it writes: its effect depends on the rows there), so it can be reused by them."""
+    before, copy, after = observe(
+        db,
+        "SELECT * FROM t0 JOIN t1 USING (k)",
+        "INSERT INTO t1(v) SELECT v FROM t0",
+        "SELECT * FROM t0 JOIN t1 USING (k)",
+    )
+    assert copy.changed and keys(copy, written=True) == {"table:main.t1"}
+    assert before.reads is not None and after.reads is not None and copy.reads is not None and copy.writes
+    assert copy.reads == before.reads  # the same keys (both tables, their definitions), as they were before
+    assert after.reads["table:main.t1"] == copy.writes["table:main.t1"] != copy.reads["table:main.t1"]
 
 
 def test_a_write_gives_what_it_changed_new_digests_and_reads_see_them(db: Path) -> None:
@@ -381,6 +397,7 @@ def test_read_set_hits_happen_and_are_right_where_the_naive_cache_is_wrong(db: P
             for seed, plan in enumerate(plans):
                 wrong += await oracle_run(db, plan, seed, cache)
             hits = cache.stats()["read_set_hits"]
+            assert cache.stats()["read_set_edges"] > 0  # state-changing calls among them
         async with tvcache.ToolCache(read_sets=False) as exact:
             for seed, plan in enumerate(plans):
                 wrong += await oracle_run(db, plan, seed, exact)
@@ -478,3 +495,210 @@ def test_replays_count_read_set_hits_and_judge_each(db: Path) -> None:
     lying = asyncio.run(main(True))
     assert (lying["tvcache"]["read_set_hits"], lying["tvcache"]["incorrect_read_set_hits"]) == (2, 1)
     assert lying["tvcache"]["incorrect_hits"] == 1 and lying["exact"]["incorrect_hits"] == 0
+
+
+# -- state-changing calls reused by what they read ----------------------------------------------------------------
+
+
+def sources_and_outputs(db: Path, plan: Plan, factory: Any = None) -> tuple[list[list[Any]], dict[str, Any], int]:
+    """Run the rollouts of `plan` one after another through one cache: what each call got (source, output), the
+    cache's stats, and how many answers differ from the uncached oracle."""
+
+    async def main() -> tuple[list[list[Any]], dict[str, Any], int]:
+        async with SQLiteSandboxes(db) as boxes, tvcache.ToolCache() as cache:
+            box = factory(boxes) if factory is not None else boxes
+            got, wrong = [], 0
+            for calls in plan:
+                async with cache.rollout("t", box) as r:
+                    results = [await r.call(tool, args) for tool, args in calls]
+                got.append([(res.source, res.output) for res in results])
+                expected = await kv.execute_uncached(boxes, calls, tvcache.Tools())
+                wrong += sum(res.output != out for res, out in zip(results, expected, strict=True))
+            return got, cache.stats(), wrong
+
+    return asyncio.run(main())
+
+
+def sql_calls(*queries: str) -> list[tuple[str, dict[str, Any]]]:
+    return [("sql", {"query": q}) for q in queries]
+
+
+def test_writes_in_another_order_are_reused_by_what_they_read(db: Path) -> None:
+    """Two rollouts make the same two inserts in opposite orders. Exact history shares nothing after the root; by
+    what they read, the second rollout's inserts are the first's (each read only its own table, as it was), its
+    state is the same content, and its reads are hits too: it never starts a sandbox."""
+    first = sql_calls("INSERT INTO t0(v) VALUES ('x')", "INSERT INTO t1(v) VALUES ('y')", "SELECT * FROM t1")
+    second = sql_calls("INSERT INTO t1(v) VALUES ('y')", "INSERT INTO t0(v) VALUES ('x')", "SELECT * FROM t1")
+    got, stats, wrong = sources_and_outputs(db, [first, second, second])
+    assert wrong == 0
+    assert [source for source, _ in got[1]] == ["reads", "reads", "reads"]
+    assert [source for source, _ in got[2]] == ["edge", "edge", "memo"]  # recorded on the second's own path
+    assert got[1][1][1] == "OK, 1 row affected" and got[1][2][1] == got[0][2][1] == "k  v\n1  c\n2  y"
+    assert (stats["read_set_edges"], stats["creates"], stats["executions"]) == (2, 1, 3)
+
+
+def test_a_write_whose_inputs_differ_executes(db: Path) -> None:
+    """An insert that copies from a table another rollout changed first is not the recorded one: it executes."""
+    copy = "INSERT INTO t1(v) SELECT v FROM t0"
+    got, stats, wrong = sources_and_outputs(
+        db, [sql_calls(copy, "SELECT * FROM t1"), sql_calls("DELETE FROM t0 WHERE k = 1", copy, "SELECT * FROM t1")]
+    )
+    assert wrong == 0 and [source for source, _ in got[1]] == ["executed", "executed", "executed"]
+    assert stats["read_set_edges"] == 0
+
+
+class Afterwards(Forgetful):
+    """SQLite sandboxes that report, for a key a write both read and wrote, the digest after the call: what a
+    tracer that digests what a command read once it has run would report (a hazard)."""
+
+    async def create(self) -> Any:
+        return _Afterwards(await self.inner.create())
+
+    async def restore(self, snapshot_id: str) -> Any:
+        return _Afterwards(await self.inner.restore(snapshot_id))
+
+
+class _Afterwards(_Forgetful):
+    async def execute(self, call: ToolCall) -> Outcome:
+        outcome = await self.box.execute(call)
+        if outcome.reads is None or outcome.writes is None:
+            return outcome
+        return dataclasses.replace(outcome, reads={**outcome.reads, **outcome.writes})
+
+
+def test_a_write_that_reads_what_it_writes_is_keyed_on_the_state_before_it(db: Path) -> None:
+    """Doubling a table reads it and writes it. A candidate keyed on the digest after the call would match the
+    state the first doubling left, and answer the second doubling with a write that changes nothing: the count
+    after two doublings would be wrong. The cache keys it on its own state before the call, so the second doubling
+    executes and every answer is right."""
+    double = "INSERT INTO t1(v) SELECT v FROM t1"
+    plan = [sql_calls(double, "SELECT count(*) FROM t1"), sql_calls(double, double, "SELECT count(*) FROM t1")]
+    got, stats, wrong = sources_and_outputs(db, plan, Afterwards)
+    assert wrong == 0 and got[1][:2] == [("edge", "OK, 1 row affected"), ("executed", "OK, 2 rows affected")]
+    assert got[1][2][1] == "count(*)\n       4" and stats["read_set_edges"] == 0
+
+
+class Blind(Forgetful):
+    """SQLite sandboxes that leave out of a write's reads the tables it only read: a tracer that loses reads.
+    Used to plant a wrong reuse of a state-changing call."""
+
+    async def create(self) -> Any:
+        return _Blind(await self.inner.create())
+
+    async def restore(self, snapshot_id: str) -> Any:
+        return _Blind(await self.inner.restore(snapshot_id))
+
+
+class _Blind(_Forgetful):
+    async def execute(self, call: ToolCall) -> Outcome:
+        outcome = await self.box.execute(call)
+        if outcome.reads is None or outcome.writes is None:
+            return outcome
+        kept = {key: digest for key, digest in outcome.reads.items() if key.split(".")[-1] != "t0"}
+        return dataclasses.replace(outcome, reads=kept)
+
+
+def test_a_rebuilt_state_that_wrote_otherwise_than_recorded_detaches_the_rollout(db: Path) -> None:
+    """A wrong reuse planted by a sandbox that loses reads: the copy from t0 is reused after t0 changed, so the
+    rollout believes t1 holds the recorded rows. When its next miss rebuilds the state in a sandbox, the copy is
+    executed again and writes another digest than recorded: the cache sees the divergence, counts it as a
+    mismatch and detaches the rollout, whose calls from then on execute in its own sandbox, answered right. (Were
+    it not detached, its last call would be answered by the first rollout's read of t1, keyed on the recorded
+    digest its state does not have.)"""
+    copy = "INSERT INTO t1(v) SELECT v FROM t0"
+    plan = [
+        sql_calls(copy, "SELECT * FROM t1"),
+        sql_calls("UPDATE t0 SET v = 'changed'", copy, "SELECT v FROM t1 ORDER BY v", "SELECT * FROM t1"),
+    ]
+    got, stats, wrong = sources_and_outputs(db, plan, Blind)
+    assert [source for source, _ in got[1]] == ["executed", "reads", "executed", "executed"]
+    assert got[1][2][1] == "v\nc\nchanged\nchanged"  # the rebuilt sandbox's, not the recorded state's
+    assert (stats["mismatches"], stats["detached"], wrong) == (1, 1, 0)
+
+
+# Writes that often commute (each touches one or two tables) and reads of what they wrote: rollouts drawing from a
+# small pool make the same writes in other orders and interleavings, where exact history shares nothing.
+SHUFFLED = [
+    "INSERT INTO t0(v) VALUES ('x')",
+    "INSERT INTO t1(v) VALUES ('y')",
+    "INSERT INTO log VALUES ('l')",
+    "UPDATE t0 SET v = v || 'z' WHERE k = 1",
+    "DELETE FROM t1 WHERE k = (SELECT max(k) FROM t1)",
+    "INSERT INTO t1(v) SELECT v FROM t0 WHERE k = (SELECT min(k) FROM t0)",
+    "INSERT INTO t1(v) SELECT v FROM t1",
+    "INSERT INTO seq(v) VALUES ('s')",
+    "DELETE FROM seq WHERE k = (SELECT min(k) FROM seq)",
+    "CREATE TEMP TABLE IF NOT EXISTS scratch AS SELECT v FROM t0",
+    "INSERT INTO scratch SELECT v FROM t1",
+    "SELECT * FROM t0",
+    "SELECT * FROM t1",
+    "SELECT count(*) FROM log",
+    "SELECT * FROM seq",
+    "SELECT * FROM scratch",
+]
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    plan=st.lists(
+        st.lists(st.tuples(st.just("sql"), st.fixed_dictionaries({"query": st.sampled_from(SHUFFLED)})), max_size=8),
+        min_size=2,
+        max_size=6,
+    ),
+    seed=st.integers(0, 2**16),
+    budget=st.integers(0, 3),
+)
+def test_writes_reused_by_what_they_read_across_caches_sharing_a_store_equal_the_uncached_history(
+    db: Path, tmp_path_factory: pytest.TempPathFactory, plan: Plan, seed: int, budget: int
+) -> None:
+    """Two caches (two processes' worth: each its own store client and sandbox factory) share one SQLite store file;
+    their rollouts run at once, half through each, and every answer equals the rollout's history executed uncached."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('shared')}/cache.db"
+    halves = [plan[0::2], plan[1::2]]
+
+    async def main() -> int:
+        async with (
+            SQLiteSandboxes(db) as boxes_a,
+            SQLiteSandboxes(db) as boxes_b,
+            tvcache.ToolCache(url, snapshot_budget=budget) as a,
+            tvcache.ToolCache(url, snapshot_budget=budget) as b,
+        ):
+            got = await asyncio.gather(
+                run_plan(a, boxes_a, halves[0], tvcache.Tools(), seed=seed),
+                run_plan(b, boxes_b, halves[1], tvcache.Tools(), seed=seed + 1),
+            )
+            wrong = 0
+            for half, outputs in zip(halves, got, strict=True):
+                for calls, answers in zip(half, outputs, strict=True):
+                    expected = await kv.execute_uncached(boxes_a, calls, tvcache.Tools())
+                    wrong += sum(x != y for x, y in zip(answers, expected, strict=True))
+            return wrong
+
+    assert asyncio.run(main()) == 0
+
+
+def test_shuffled_writes_are_reused_and_the_naive_cache_is_wrong_on_them(db: Path) -> None:
+    """The control for the test above, on seeded plans from the same pool: tvcache reuses writes by what they read
+    and is right; the naive cache is wrong."""
+    plans = [
+        [[("sql", {"query": rng.choice(SHUFFLED)}) for _ in range(8)] for _ in range(4)]
+        for rng in map(random.Random, range(10))
+    ]
+
+    async def main() -> tuple[int, int, int]:
+        wrong = naive_wrong = 0
+        async with tvcache.ToolCache() as cache:
+            for seed, plan in enumerate(plans):
+                wrong += await oracle_run(db, plan, seed, cache)
+            edges = cache.stats()["read_set_edges"]
+        for seed, plan in enumerate(plans):
+            naive_wrong += await oracle_run(db, plan, seed, NaiveCache())
+        return wrong, edges, naive_wrong
+
+    wrong, edges, naive_wrong = asyncio.run(main())
+    assert wrong == 0 and edges > 0 and naive_wrong > 0

@@ -91,13 +91,16 @@ MAX_READS = 4096
 
 
 class Candidate(msgspec.Struct, frozen=True, array_like=True):
-    """A read-only call's result with what it read (`tvcache.reads`): `reads` maps state keys to the digests the
-    call saw. Stores keep a call's newest `MAX_CANDIDATES`."""
+    """A call's result with what it read (`tvcache.reads`): `reads` maps state keys to the digests the call saw,
+    as they were before it ran. `writes` is None for a read-only call; for a state-changing one it is what the
+    call wrote (state keys to their new digests), which a rollout reusing it applies to its state. Stores keep a
+    call's newest `MAX_CANDIDATES`."""
 
     reads: dict[str, str]
     output: bytes
     seconds: float
     call: str = ""  # the call's key, cut short, for people
+    writes: dict[str, str] | None = None
 
 
 _candidate_encoder = msgspec.msgpack.Encoder(order="sorted")

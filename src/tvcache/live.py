@@ -21,7 +21,7 @@ from .calls import ToolCall
 from .context import Context, Factory
 from .graph import child_id, decode_output, encode_output
 from .policy import Reuse, Route, cheapest_route, should_snapshot, worth_leasing
-from .sandboxes.base import Sandbox, SandboxBusy, SandboxError, Sandboxes, SnapshotGone
+from .sandboxes.base import Outcome, Sandbox, SandboxBusy, SandboxError, Sandboxes, SnapshotGone
 from .stores.base import Lease, StoreError
 
 __all__ = ["History", "LiveSandbox", "Step"]
@@ -42,13 +42,14 @@ MAX_SUSPECT_FAILURES = 3
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """An edge a rollout took: the call, the state it led to, the recorded output (to check replays against),
-    and the recorded execution seconds of all edges from the root up to and including this one."""
+    """An edge a rollout took: the call, the state it led to, the recorded output and writes (to check replays
+    against), and the recorded execution seconds of all edges from the root up to and including this one."""
 
     node: bytes
     call: ToolCall
     output: bytes
     total: float
+    writes: dict[str, str] | None = None
 
 
 class History:
@@ -65,9 +66,9 @@ class History:
     def cursor(self) -> bytes:
         return self.steps[-1].node if self.steps else self.root
 
-    def advance(self, call: ToolCall, output: bytes, seconds: float) -> None:
+    def advance(self, call: ToolCall, output: bytes, seconds: float, writes: dict[str, str] | None) -> None:
         total = self.seconds(len(self.steps)) + seconds
-        self.steps.append(Step(child_id(self.cursor, call.digest), call, output, total))
+        self.steps.append(Step(child_id(self.cursor, call.digest), call, output, total, writes))
 
     def seconds(self, depth: int, start: int = 0) -> float:
         """Recorded execution time of the edges from depth `start` to depth `depth`: what replaying them costs."""
@@ -341,9 +342,11 @@ class LiveSandbox:
 
     async def _replay_to(self, target: int) -> tuple[Sandbox, bool]:
         """Re-execute the edges between the sandbox and the cursor, checking each output against the recorded
-        one. On a difference the rebuilt state may not be the one the rollout saw: stop there and say so (the
-        sandbox now *is* the rollout's state, as it would be without a cache). A replay that raises leaves the
-        sandbox in an unknown state: it is dropped and the exception reaches the caller."""
+        one, and its writes against the recorded ones where the sandbox vouches for them (it reported reads: see
+        `Outcome`; an edge reused by what it read was recorded without executing it here). On a difference the
+        rebuilt state may not be the one the rollout saw: stop there and say so (the sandbox now *is* the
+        rollout's state, as it would be without a cache). A replay that raises leaves the sandbox in an unknown
+        state: it is dropped and the exception reaches the caller."""
         stats = self._ctx.stats
         box = self._box
         assert box is not None
@@ -359,9 +362,9 @@ class LiveSandbox:
             stats.replays += 1
             stats.seconds_replaying += elapsed
             self._depth += 1
-            if outcome.error or not _same_output(outcome.output, step.output):
+            if outcome.error or not _same_output(outcome.output, step.output) or _wrote_otherwise(outcome, step):
                 stats.mismatches += 1
-                log.warning("replay of %r gave a different result than recorded", step.call)
+                log.warning("replay of %r gave a different result or wrote otherwise than recorded", step.call)
                 self._depth = target
                 return box, False
         return box, True
@@ -386,3 +389,12 @@ def _same_output(output: Any, recorded: bytes) -> bool:
         return blob == recorded or decode_output(blob) == decode_output(recorded)
     except (TypeError, ValueError):
         return False
+
+
+def _wrote_otherwise(outcome: Outcome, step: Step) -> bool:
+    """Whether a replayed edge wrote other digests than recorded (nothing, if it changed nothing), where both are
+    known and the sandbox vouches for its writes (they are reproducible only then: a workspace's carry times)."""
+    if outcome.reads is None or step.writes is None:
+        return False
+    wrote = {} if outcome.changed is False else outcome.writes
+    return wrote is not None and dict(wrote) != step.writes

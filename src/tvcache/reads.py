@@ -1,18 +1,26 @@
 """Reuse by what a call read: the second phase of a lookup, after the exact history missed.
 
-A read-only call's result depends only on what it read. A sandbox that observes its reads reports them
-(`Outcome.reads`: state keys, such as a table or a file, to the digests it saw), and the cache keeps the result
-as a *candidate* for the call, shared by every rollout of the scope however it reached its state. A rollout
-whose exact lookup missed takes the call's candidates and asks, for each, whether every key it read has the
-same digest in the rollout's own state now; the first that matches is the answer, and is recorded as a memo on
-the rollout's node, so the next identical call there is an exact hit.
+A call's result depends only on what it read. A sandbox that observes its reads reports them (`Outcome.reads`:
+state keys, such as a table or a file, to the digests it saw), and the cache keeps the result as a *candidate* for
+the call, shared by every rollout of the scope however it reached its state. A rollout whose exact lookup missed
+takes the call's candidates and asks, for each, whether every key it read has the same digest in the rollout's own
+state now; the first that matches is the answer, and is recorded on the rollout's node, so the next identical call
+there is an exact hit.
+
+A read-only candidate is recorded as a memo. A state-changing one (its `writes` known) is recorded as an edge: the
+rollout moves to the child node, as if it had executed the call, and its state's content becomes the current one
+with the candidate's writes applied. A sandbox reports reads for a state-changing call only when it vouches that
+its writes are what any execution over the same read digests writes (see `Outcome`), and the digest of a key the
+call both read and wrote is taken from the rollout's own state before the call, never from the sandbox, which may
+have looked after the call (a hazard: a call that writes what it read). A rollout that later rebuilds such a state
+in a sandbox re-executes the call, and a sandbox that then reports other writes than the recorded ones shows the
+state is not the one the graph says: the rollout detaches (`live.LiveSandbox`), as on any replay that differs.
 
 The rollout knows its state's content without a sandbox: the starting state's digests come from the sandbox
 factory (`BaseDigests.base_digests`), and every state-changing call it passed (executed or hit) recorded what it
 wrote (`Entry.writes`). `Writes` folds those into one map; a call whose writes are unknown makes the state
 unknown, and from there on the rollout uses exact history only, as does a factory that cannot tell its starting
-state's digests. Only calls observed to leave the state untouched (`changed is False`) become candidates: a call
-that writes nothing cannot have written what it read, so there is no hazard to detect.
+state's digests.
 
 Soundness rests on the sandbox: a key's digest must change whenever what a read of it can see changes, and
 `reads` must be None whenever the call saw anything it cannot name.
@@ -25,16 +33,36 @@ from collections.abc import Collection, Mapping, Sequence
 from .graph import MAX_READS, Candidate
 from .sandboxes.base import BaseDigests, Outcome, Sandboxes
 
-__all__ = ["MAX_READS", "Candidate", "Writes", "base_digests_of", "candidate_of", "choose"]
+__all__ = ["MAX_READS", "Candidate", "Writes", "base_digests_of", "candidate_of", "choose", "digests"]
 
 
-def candidate_of(outcome: Outcome, output: bytes, seconds: float, call: str) -> Candidate | None:
-    """The candidate an execution makes, or None: it failed, changed (or may have changed) the state, or its
-    reads were not all observed (or too many to be worth checking)."""
+async def candidate_of(
+    outcome: Outcome,
+    output: bytes,
+    seconds: float,
+    call: str,
+    *,
+    edge: bool,
+    before: Mapping[str, str] | None,
+    base: BaseDigests,
+) -> Candidate | None:
+    """The candidate an execution makes, or None: it failed, its reads were not all observed (or too many to be
+    worth checking), or it changed the state without saying what it wrote. `edge`: the call is recorded as a
+    state-changing one; `before` is the rollout's state (its writes over `base`) before the call, None if unknown."""
     reads = outcome.reads
-    if outcome.error or outcome.changed is not False or reads is None or len(reads) > MAX_READS:
+    if outcome.error or reads is None or len(reads) > MAX_READS:
         return None
-    return Candidate(dict(reads), output, seconds, call)
+    if not edge:
+        return Candidate(dict(reads), output, seconds, call) if outcome.changed is False else None
+    writes = outcome.writes
+    if writes is None or before is None:
+        return None
+    # A key it read and wrote: what it read is the state's before the call, whatever the sandbox saw after.
+    hazards = [key for key in writes if key in reads]
+    seen = await digests(hazards, before, base)
+    if len(seen) < len(hazards):
+        return None  # a key whose digest before the call nobody can tell
+    return Candidate({**reads, **seen}, output, seconds, call, dict(writes))
 
 
 def base_digests_of(sandboxes: Sandboxes) -> BaseDigests | None:
@@ -66,16 +94,23 @@ async def choose(candidates: Sequence[Candidate], state: Mapping[str, str], base
     rollout's writes) over the factory's starting state `base`; None if none does."""
     if not candidates:
         return None
-    missing: Collection[str] = {key for c in candidates for key in c.reads if key not in state}
-    starting = await base.base_digests(missing) if missing else {}
+    now = await digests({key for c in candidates for key in c.reads}, state, base)
     for candidate in candidates:
-        if all(_digest(key, state, starting) == seen for key, seen in candidate.reads.items()):
+        if all(now.get(key) == seen for key, seen in candidate.reads.items()):
             return candidate
     return None
 
 
-def _digest(key: str, state: Mapping[str, str], starting: Mapping[str, str]) -> str | None:
-    found = state.get(key)
-    if found is None:
-        found = starting.get(key)
-    return found if isinstance(found, str) else None  # a key the factory did not answer matches nothing
+async def digests(keys: Collection[str], state: Mapping[str, str], base: BaseDigests) -> dict[str, str]:
+    """The digest of each of `keys` in the state `state` (a rollout's writes) over the factory's starting state;
+    a key neither holds (the factory did not answer) is left out, and matches nothing."""
+    missing = [key for key in keys if key not in state]
+    starting = await base.base_digests(missing) if missing else {}
+    found = {}
+    for key in keys:
+        digest = state.get(key)
+        if digest is None:
+            digest = starting.get(key)
+        if isinstance(digest, str):
+            found[key] = digest
+    return found

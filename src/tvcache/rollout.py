@@ -288,7 +288,7 @@ class Rollout:
             stats.hits += 1
             stats.seconds_saved += entry.seconds
         if entry.kind == EDGE:
-            self._history.advance(call, entry.output, entry.seconds)
+            self._history.advance(call, entry.output, entry.seconds, entry.writes)
             self._writes.apply(entry.writes)
             self._snapshot_reuse.reached(len(self._history), made=False)
         return Result(output, True, time.perf_counter() - start, source)
@@ -313,26 +313,27 @@ class Rollout:
             if outcome.error:
                 return self._failed(call, outcome, blob, start)
             kind = self._kind(call, outcome)
+            writes = dict(outcome.writes) if kind == EDGE and outcome.writes is not None else None
+            candidate = await self._candidate(call, kind, outcome, blob, seconds)  # of the state before the call
             if kind == EDGE:
-                self._history.advance(call, blob, seconds)
-                self._writes.apply(outcome.writes)
+                self._history.advance(call, blob, seconds, writes)
+                self._writes.apply(writes)
                 self._live.applied()
                 self._live.maybe_snapshot()  # in the background: the answer does not wait for it
                 self._snapshot_reuse.reached(len(self._history), made=True)
             if len(blob) > self._ctx.max_output_bytes:
                 self._ctx.stats.uncached += 1
             else:
-                writes = dict(outcome.writes) if kind == EDGE and outcome.writes is not None else None
                 await self._record(claim, Entry(kind, blob, seconds, call.label(), writes))
-                if kind == MEMO and self._base is not None:
-                    await self._keep(call, candidate_of(outcome, blob, seconds, call.label()))
+                await self._keep(call, candidate)
         return self._executed(blob, start)
 
     async def _reuse(self, call: ToolCall, claim: _Claim, start: float) -> Result | None:
         """The second phase of a lookup that missed (`tvcache.reads`): a result of the same call recorded in
-        another state that read nothing this state holds differently, recorded here as a memo under our claim
-        (waiters get it, the next identical call here hits it exactly); None if there is none, or the rollout's
-        state is not known as content."""
+        another state that read nothing this state holds differently, recorded here under our claim (waiters get
+        it, the next identical call here hits it exactly): a memo, or for a state-changing call an edge with the
+        candidate's writes, which moves the rollout on as a hit of that edge would. None if there is none, or the
+        rollout's state is not known as content."""
         base, state = self._base, self._writes.known
         if base is None or state is None:
             return None
@@ -346,16 +347,28 @@ class Rollout:
             return None
         if found is None:
             return None
-        entry = Entry(MEMO, found.output, found.seconds, call.label())
+        kind = MEMO if found.writes is None else EDGE
+        entry = Entry(kind, found.output, found.seconds, call.label(), found.writes)
         result = self._hit(call, entry, "reads", start)  # decoded and counted as any hit, before it is recorded
         if result is None:
             return None
         await self._record(claim, entry, reused=True)
         ctx.stats.read_set_hits += 1
+        ctx.stats.read_set_edges += kind == EDGE
         return dataclasses.replace(result, seconds=time.perf_counter() - start)  # the record is the caller's wait too
 
+    async def _candidate(
+        self, call: ToolCall, kind: Kind, outcome: Outcome, blob: bytes, seconds: float
+    ) -> Candidate | None:
+        """The candidate an execution makes for rollouts in other states, asked before the rollout's state moves
+        past the call (a state-changing call's hazards are read in the state before it)."""
+        if self._base is None:
+            return None
+        edge, before = kind == EDGE, self._writes.known
+        return await candidate_of(outcome, blob, seconds, call.label(), edge=edge, before=before, base=self._base)
+
     async def _keep(self, call: ToolCall, candidate: Candidate | None) -> None:
-        """Keep a read-only result with what it read, for rollouts in other states."""
+        """Keep a result with what it read (and wrote), for rollouts in other states."""
         if candidate is None:
             return
         try:
@@ -385,8 +398,9 @@ class Rollout:
         if not self._detached and self._kind(call, outcome) == EDGE:
             # The store is down but the call is deterministic: keep the cursor right, so the rollout
             # can use the cache again once the store is back.
-            self._history.advance(call, blob, 0.0)
-            self._writes.apply(outcome.writes)
+            writes = dict(outcome.writes) if outcome.writes is not None else None
+            self._history.advance(call, blob, 0.0, writes)
+            self._writes.apply(writes)
             self._live.applied()
         return self._executed(blob, start)
 

@@ -17,6 +17,7 @@ class Stats:
     calls: int = 0  # every r.call()
     hits: int = 0  # answered from an entry, including after waiting for another rollout
     read_set_hits: int = 0  # of `hits`: answered by a result recorded in another state that read the same
+    read_set_edges: int = 0  # of `read_set_hits`: state-changing calls, whose recorded writes moved the rollout
     executions: int = 0  # tool executions on behalf of callers (misses, uncacheable, direct)
     waits: int = 0  # misses that waited for a concurrent execution of the same call (single flight)
     replays: int = 0  # calls re-executed to rebuild a state

@@ -45,6 +45,12 @@ class Outcome:
     content digests, "" for absent. `reads` holds everything the call observed, or is None when it could not all
     be observed (then the result is reused only by exact history); `writes` holds the new digest of everything a
     state-changing call changed, or None when unknown.
+
+    A state-changing call with `reads` (not None) and `writes` may be reused in another state too: the sandbox
+    vouches that `reads` are the digests as they were before the call, and that `writes` are what executing it in
+    any state with those digests writes (its effect depends on nothing unobserved: no clock, no randomness). A
+    sandbox that cannot vouch for that gives `reads` None for a state-changing call. (The cache takes the digest of
+    a key the call both read and wrote from its own record of the state before the call, not from the sandbox.)
     """
 
     output: Output

@@ -654,7 +654,9 @@ class SQLiteSandbox(ManagedSandbox):
     def _observed(
         self, query: str, changed: bool, temp_version: int
     ) -> tuple[dict[str, str] | None, dict[str, str] | None]:
-        """What the statement read (unchanged) or wrote (changed), as digests by key; None where unknown."""
+        """What the statement read, as digests by key before it ran, and what it wrote (None if it changed
+        nothing); None where unknown. A write's reads are everything it touched: its effect depends on nothing
+        else (see below), so executing it in any state where those digests are the same writes the same digests."""
         seen, versions = self._seen, self._versions
         if versions is None:
             return None, None
@@ -674,7 +676,7 @@ class SQLiteSandbox(ManagedSandbox):
         made = _hash(query, *(f"{key}={digest}" for key, digest in sorted(touched.items())))
         writes = {key: _hash(made, key) for key in sorted(seen.writes)}
         versions.update(writes)
-        return None, writes
+        return touched, writes
 
     def _save(self, snapshot: _Snapshot) -> _Snapshot:
         # Between calls no transaction is open and every change is in the file, so a byte copy is exact. A

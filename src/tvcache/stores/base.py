@@ -107,8 +107,9 @@ class Store(Protocol):
         ...
 
     async def add_candidate(self, scope_key: str, digest: bytes, candidate: Candidate) -> None:
-        """Keep a read-only result of the call `digest` with what it read, for reuse by what a call read
-        (`tvcache.reads`): the newest `reads.MAX_CANDIDATES` per call, an identical one replaced."""
+        """Keep a result of the call `digest` with what it read (and, for a state-changing call, wrote), for reuse
+        by what a call read (`tvcache.reads`): the newest `reads.MAX_CANDIDATES` per call, an identical one
+        replaced."""
         ...
 
     async def candidates(self, scope_key: str, digest: bytes) -> list[Candidate]:

@@ -99,7 +99,8 @@ class WireEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class WireCandidate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`reads.Candidate` as a JSON object: a read-only result and the digests of what it read."""
+    """`reads.Candidate` as a JSON object: a result, the digests of what it read and, for a state-changing call,
+    of what it wrote."""
 
     reads: Annotated[
         dict[StateKey, StateDigest],
@@ -108,13 +109,20 @@ class WireCandidate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output: Annotated[bytes, msgspec.Meta(description="the encoded tool output, base64", extra_json_schema=_B64)]
     seconds: Annotated[float, msgspec.Meta(ge=0, le=1e9, description="how long the execution took")]
     call: Annotated[str, msgspec.Meta(max_length=4096, description="the call's key, cut short, for people")] = ""
+    writes: (
+        Annotated[
+            dict[StateKey, StateDigest],
+            msgspec.Meta(max_length=MAX_STATE_KEYS, description="a state-changing call's writes: key -> new digest"),
+        ]
+        | None
+    ) = None
 
     @classmethod
     def of(cls, candidate: Candidate) -> WireCandidate:
-        return cls(candidate.reads, candidate.output, candidate.seconds, candidate.call)
+        return cls(candidate.reads, candidate.output, candidate.seconds, candidate.call, candidate.writes)
 
     def candidate(self) -> Candidate:
-        return Candidate(self.reads, self.output, self.seconds, self.call)
+        return Candidate(self.reads, self.output, self.seconds, self.call, self.writes)
 
 
 # Requests refuse unknown fields: a misspelt argument must not be silently ignored.
@@ -301,8 +309,8 @@ ENDPOINTS: list[Endpoint] = [
     operation("record", RecordRequest, WireEntry, "Store an entry unless one exists, release the claim; the winner."),
     operation("release", ReleaseRequest, None, "Give a claim up without an entry; waiters wake and retry."),
     operation("refresh", RefreshRequest, bool, "Extend a claim; false if it was lost."),
-    operation("add_candidate", AddCandidateRequest, None, "Keep a read-only result with what it read (bounded)."),
-    operation("candidates", CandidatesRequest, list[WireCandidate], "A call's kept read-only results, newest first."),
+    operation("add_candidate", AddCandidateRequest, None, "Keep a result with what it read and wrote (bounded)."),
+    operation("candidates", CandidatesRequest, list[WireCandidate], "A call's kept results, newest first."),
     operation("lease", LeaseRequest, Lease | None, "Lease the origin's deepest snapshot on a path."),
     operation("unlease", UnleaseRequest, None, "End a lease."),
     operation("add_snapshot", AddSnapshotRequest, list[str], "Attach a snapshot, evict; ids the caller must delete."),
