@@ -57,9 +57,10 @@ class ToolCache:
     is saved); hits do not. `await cache.flush()` waits for the snapshots under way, so that `stats()` counts them;
     `close()` waits for them too.
 
-    `read_sets=True` (the default) also reuses a read-only result recorded in another state when everything the
-    call read is the same in the rollout's state (`tvcache.reads`; counted in `stats()["read_set_hits"]`), for
-    sandboxes that observe what calls read and write (SQLite; workspaces); `False` keeps to exact history.
+    `read_sets=True` (the default) also reuses a result recorded in another state when everything the call read is
+    the same in the rollout's state, a state-changing call with its recorded writes (`tvcache.reads`; counted in
+    `stats()["read_set_hits"]` and `["read_set_edges"]`), for sandboxes that observe what calls read and write
+    (SQLite; workspaces); `False` keeps to exact history.
 
     Its life is httpx's client's: usable once made, `async with` it (once) to have it closed at the end; after
     `close()` every method but `stats()` raises `RuntimeError`, and closing again does nothing. Closing cancels

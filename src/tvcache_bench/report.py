@@ -288,8 +288,10 @@ def _footnotes(result: ReplayResult, summary: dict[str, Any]) -> list[str]:
     for name, row in strategies.items():
         if row.get("read_set_hits"):
             checked = row.get("incorrect_read_set_hits")
+            edges = int(row.get("stats", {}).get("read_set_edges", 0))
             lines.append(
-                f"{name}: {row['read_set_hits']} of its hits were by what the call read (read sets)"
+                f"{name}: {row['read_set_hits']} of its hits were by what the call read (read sets; {edges} of them "
+                "state-changing calls, whose recorded writes moved the rollout)"
                 + ("" if checked is None else f", {checked} of them incorrect")
             )
         wrong, hits = row["wrong_answers"], row["incorrect_hits"]
