@@ -32,7 +32,9 @@ import tvcache
 from test_oracle import NaiveCache
 from test_workspace import usable
 from tvcache import ToolCall
+from tvcache.reads import Writes, digest_in
 from tvcache.sandboxes.workspace import WorkspaceSandboxes, _reads
+from tvcache.sandboxes.workspace._changes import MAX_ENTRIES
 
 EXAMPLES = int(os.environ.get("TVCACHE_FUZZ_EXAMPLES", "12"))
 TMP = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -278,6 +280,98 @@ def test_off_by_default() -> None:
                 done = await box.execute(bash("cat /testbed/a.txt; echo $$"))
                 assert done.output == {"output": "A\n1\n", "exit_code": 0}
                 assert done.reads is None and done.writes is None
+
+    asyncio.run(main())
+
+
+# -- write sets against the whole tree ---------------------------------------------------------------------------
+
+DEEP = 1100  # directories nested deeper than a recursive walk (Python's recursion limit) goes
+
+
+def whole_tree(box: Any) -> dict[str, str]:
+    """Every `path:`, `list:` and `walk:` key of every path in /testbed, digested live: the oracle of write sets.
+    Iterative, so that a tree deeper than Python's recursion limit is walked whole."""
+    paths, todo = ["/testbed"], ["/testbed"]
+    while todo:
+        here = todo.pop()
+        with os.scandir(box.root + here) as entries:
+            for entry in entries:
+                paths.append(f"{here}/{entry.name}")
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(paths[-1])
+    with _reads.Digester(box.root, {}) as digests:
+        return {f"{kind}:{p}": digests.key(f"{kind}:{p}") for p in paths for kind in ("path", "list", "walk")}
+
+
+WRITES = [
+    f"cd /testbed && mkdir -p {'d/' * DEEP} && echo x > {'d/' * DEEP}f",
+    "mv /testbed/d /testbed/moved",  # a directory the sandbox made, renamed with everything below it
+    "mv /testbed/sub /testbed/sub2",  # a directory of the base, renamed
+    "rm -rf /testbed/moved",
+    "mkdir /testbed/moved",  # made again, empty: nothing that was below it is there
+    "chmod 700 /testbed/sub2 && echo y > /testbed/sub2/f && rm /testbed/sub2/g/h",
+    "ln /testbed/a /testbed/hard",  # a second name: the first one's link count changed
+    "rm /testbed/hard",
+]
+#: Commands whose write set may be unknown (None, which is sound): another name of a file changed.
+MAY_BE_UNKNOWN = {"ln /testbed/a /testbed/hard", "rm /testbed/hard"}
+
+
+def test_write_sets_name_every_key_that_changed() -> None:
+    """After each writing command, its write set composed over the state before (as the cache core composes it,
+    `below:` keys included) gives every key of the tree its live digest; and so do all write sets composed over
+    the base. A write set that misses an entry would let a read-set lookup accept a candidate that read it."""
+
+    async def main() -> None:
+        with tree({"a": "A", "sub/f": "x", "sub/g/h": "y"}) as base:
+            async with factory(base) as boxes:
+                box = await boxes.create()
+                start = before = whole_tree(box)
+                composed: Writes | None = Writes()
+                for command in WRITES:
+                    done = await box.execute(bash(command))
+                    assert not done.error and done.changed, (command, done.output)
+                    after = whole_tree(box)
+                    if done.writes is None:
+                        assert command in MAY_BE_UNKNOWN, f"unknown write set of {command!r}"
+                        composed = None
+                    else:
+                        assert_composes([done.writes], before, after, command)
+                        if composed is not None:
+                            composed.apply(done.writes)
+                            assert_composes([composed.known or {}], start, after, f"all up to {command!r}")
+                    before = after
+
+    asyncio.run(main())
+
+
+def assert_composes(writes: list[dict[str, str]], before: dict[str, str], after: dict[str, str], what: str) -> None:
+    state = Writes()
+    for one in writes:
+        state.apply(one)
+    assert state.known is not None
+    starting = {**dict.fromkeys(after, ""), **before}  # a path that was not there: "" for each of its keys
+    wrong = {
+        key: (digest_in(key, state.known, starting), after.get(key, ""))
+        for key in starting
+        if digest_in(key, state.known, starting) != after.get(key, "")
+    }
+    assert not wrong, f"{what}: {len(wrong)} keys differ, e.g. {sorted(wrong.items())[:3]}"
+
+
+def test_a_lost_account_makes_the_write_set_unknown() -> None:
+    """More changed entries than the kernel's account keeps (or a queue overflow): the write set is unknown, never
+    partial, and the next call's is known again."""
+
+    async def main() -> None:
+        with tree({"a": "A"}) as base:
+            async with factory(base) as boxes:
+                box = await boxes.create()
+                many = await box.execute(bash(f"mkdir /testbed/many && cd /testbed/many && touch $(seq {MAX_ENTRIES})"))
+                assert many.changed and not many.error and many.writes is None
+                one = await box.execute(bash("echo B > /testbed/a"))
+                assert one.writes is not None and set(one.writes) >= {"path:/testbed/a", "list:/testbed"}
 
     asyncio.run(main())
 

@@ -20,7 +20,9 @@ The rollout knows its state's content without a sandbox: the starting state's di
 factory (`BaseDigests.base_digests`), and every state-changing call it passed (executed or hit) recorded what it
 wrote (`Entry.writes`). `Writes` folds those into one map; a call whose writes are unknown makes the state
 unknown, and from there on the rollout uses exact history only, as does a factory that cannot tell its starting
-state's digests.
+state's digests. A write set's key `below:<p>` (`BELOW`) says that every key of a path strictly below `p` that the
+write set does not name is absent ("") now: `p` was removed, replaced or renamed, so nothing that was below it,
+in the starting state or written since, is there any more.
 
 Soundness rests on the sandbox: a key's digest must change whenever what a read of it can see changes, and
 `reads` must be None whenever the call saw anything it cannot name.
@@ -28,12 +30,25 @@ Soundness rests on the sandbox: a key's digest must change whenever what a read 
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Collection, Mapping, Sequence
 
 from .graph import MAX_READS, Candidate
 from .sandboxes.base import BaseDigests, Outcome, Sandboxes
 
-__all__ = ["MAX_READS", "Candidate", "Writes", "base_digests_of", "candidate_of", "choose", "digests"]
+__all__ = [
+    "BELOW",
+    "MAX_READS",
+    "Candidate",
+    "Writes",
+    "base_digests_of",
+    "candidate_of",
+    "choose",
+    "digest_in",
+    "digests",
+]
+
+BELOW = "below:"
 
 
 async def candidate_of(
@@ -85,8 +100,12 @@ class Writes:
             return
         if writes is None:
             self.known = None
-        else:
-            self.known.update(writes)
+            return
+        gone = {_path(key) for key in writes if key.startswith(BELOW)}
+        if gone:
+            for old in [k for k in self.known if k not in writes and _below(_path(k), gone)]:
+                del self.known[old]
+        self.known.update(writes)
 
 
 async def choose(candidates: Sequence[Candidate], state: Mapping[str, str], base: BaseDigests) -> Candidate | None:
@@ -104,13 +123,47 @@ async def choose(candidates: Sequence[Candidate], state: Mapping[str, str], base
 async def digests(keys: Collection[str], state: Mapping[str, str], base: BaseDigests) -> dict[str, str]:
     """The digest of each of `keys` in the state `state` (a rollout's writes) over the factory's starting state;
     a key neither holds (the factory did not answer) is left out, and matches nothing."""
-    missing = [key for key in keys if key not in state]
+    missing = [key for key in keys if key not in state and not _cleared(key, state)]
     starting = await base.base_digests(missing) if missing else {}
     found = {}
     for key in keys:
-        digest = state.get(key)
-        if digest is None:
-            digest = starting.get(key)
-        if isinstance(digest, str):
+        digest = digest_in(key, state, starting)
+        if digest is not None:
             found[key] = digest
     return found
+
+
+def digest_in(key: str, state: Mapping[str, str], starting: Mapping[str, str]) -> str | None:
+    """The digest of `key` in the state `state` (a rollout's writes) over the starting state's digests `starting`;
+    None if neither tells it."""
+    digest = state.get(key)
+    if digest is None:
+        digest = "" if _cleared(key, state) else starting.get(key)
+    return digest if isinstance(digest, str) else None
+
+
+def _path(key: str) -> str:
+    return key.partition(":")[2]
+
+
+def _below(path: str, dirs: Collection[str]) -> bool:
+    """Is the absolute `path` strictly below one of `dirs`?"""
+    if not path.startswith("/"):
+        return False
+    while path != "/":
+        path = posixpath.dirname(path)
+        if path in dirs:
+            return True
+    return False
+
+
+def _cleared(key: str, state: Mapping[str, str]) -> bool:
+    """Is `key` below a path whose contents a write set declared gone (`BELOW`)?"""
+    path = _path(key)
+    if not path.startswith("/"):
+        return False
+    while path != "/":
+        path = posixpath.dirname(path)
+        if BELOW + path in state:
+            return True
+    return False

@@ -79,9 +79,9 @@ from .._layers import listing_digest
 from .._shell import CommandResult, ShellState, run_bash, unfinished
 from ..base import Outcome, SandboxError
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
-from . import _isolation, _reads
+from . import _isolation, _reads, _writes
 from ._cgroups import Cgroups, SandboxCgroup
-from ._changes import Watcher
+from ._changes import Batch, Watcher
 from ._isolation import Snapshot
 from ._jail import Jail, find_bwrap
 from ._mounts import Mounter
@@ -491,7 +491,6 @@ class WorkspaceSandbox(ManagedSandbox):
         self._state = state
         self._cgroup: SandboxCgroup | None = None
         self._netns: str | None = None
-        self._uppers: _reads.UpperIndex | None = None
 
     @property
     def root(self) -> str:
@@ -535,8 +534,6 @@ class WorkspaceSandbox(ManagedSandbox):
             failure = None
             trace: bytes | None = None
             tail = b""
-            if self._factory.read_sets and self._uppers is None:
-                self._uppers = await asyncio.to_thread(self._index_uppers)
             if tool == "bash":
                 hits = self._cgroup.hits() if self._cgroup else (0, 0)
                 try:
@@ -561,13 +558,14 @@ class WorkspaceSandbox(ManagedSandbox):
             if failure is None and tool != "read_file" and tool != "list_dir" and self._fs.full():
                 failure = f"the sandbox's disk quota ({_size(self._ctx.isolation.disk)}) is full"
             files_changed = await self._fs.changed()
+            recent = self._fs.take_recent() if isinstance(self._fs, _isolation.LayeredRoot) else None
             before, self._state = self._state, state
             changed = files_changed or state != before
             if failure is not None:
                 return Outcome({**output, "error": failure}, changed, True)
             if not self._factory.read_sets:
                 return Outcome(output, changed)
-            return await self._observed(call, output, changed, files_changed, before, trace, tail)
+            return await self._observed(call, output, changed, files_changed, recent, before, trace, tail)
 
     async def _observed(
         self,
@@ -575,11 +573,13 @@ class WorkspaceSandbox(ManagedSandbox):
         output: dict[str, Any],
         changed: bool,
         files_changed: bool,
+        recent: Batch | None,
         before: ShellState,
         trace: bytes | None,
         tail: bytes,
     ) -> Outcome:
-        """The outcome with its read set (see _reads) and, for a state-changing call, its write set."""
+        """The outcome with its read set (see _reads) and, for a state-changing call, its write set (see _writes)
+        from `recent`, the kernel's account of what it changed (None: none kept)."""
         reads: dict[str, str] | None = None
         root, cache = self.root, self._factory._digest_cache
         path = call.args.get("path", "") if isinstance(call.args, dict) else ""
@@ -601,21 +601,17 @@ class WorkspaceSandbox(ManagedSandbox):
             reads["shell:"] = _reads.shell_digest(before)
         writes: dict[str, str] | None = {}
         if files_changed:
-            writes = None if self._uppers is None else (await _digests(self._write_set))[0]
+            writes = None if recent is None or recent.entries is None else await self._write_set(recent.entries)
         if writes is not None and self._state != before:
             writes["shell:"] = _reads.shell_digest(self._state)
         return Outcome(output, changed, reads=reads, writes=writes if changed else None)
 
-    def _index_uppers(self) -> _reads.UpperIndex | None:
+    async def _write_set(self, entries: dict[tuple[bytes, bytes], int]) -> dict[str, str] | None:
         fs = self._fs
-        if not isinstance(fs, _isolation.LayeredRoot):
-            return None  # copy isolation: no upper dir to say what changed
-        overlays = [(m.point, fs._upper(k), m.lowers) for k, m in enumerate(self._ctx.isolation.layout.overlays)]
-        return _reads.UpperIndex(overlays, self._ctx.mounter.opaque_xattr)
-
-    def _write_set(self) -> dict[str, str]:
-        assert self._uppers is not None
-        return _reads.write_set(self._uppers.changes(), self.root, self._factory._digest_cache)
+        assert isinstance(fs, _isolation.LayeredRoot)
+        overlays = [(m.point, fs._upper(k)) for k, m in enumerate(self._ctx.isolation.layout.overlays)]
+        where = (fs.scratch(), fs._scratch_mount(), overlays, self.root, self._factory._digest_cache)
+        return await asyncio.to_thread(_writes.write_set, entries, *where)
 
     def _limit_hit(self, before: tuple[int, int]) -> str | None:
         """Why the command just run is a failure of the sandbox's limits, if it is."""

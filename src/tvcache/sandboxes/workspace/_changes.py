@@ -68,8 +68,9 @@ class Batch:
     """What happened on one watched filesystem since the last take.
 
     `events`: how many events (0: nothing at all changed). `entries`: {(directory handle, name): mask} of the
-    entries touched (name b"." for the directory itself), or None if there were too many to keep or the account
-    was `lost`. A directory handle is the kernel's file handle, type first, for `open_by_handle_at`.
+    entries touched (name b"." for the directory itself; (b"", the file's handle) for a file whose link count
+    changed), or None if there were too many to keep or the account was `lost`. A handle is the kernel's file
+    handle, type first, for `open_by_handle_at`.
     """
 
     events: int = 0
@@ -184,9 +185,10 @@ class Watcher:
                     name = buf[start + handle_bytes : at + size].split(b"\0", 1)[0]
                     place = (fsid, handle, name)
                 elif place is None:
-                    # Only the file, no name: a link count changed (link, unlink, rename over it); the name
-                    # events of the same call say which entries.
-                    place = (fsid, b"", b"")
+                    # Only the file, no name: a link count changed (link, unlink, rename over it). Kept as
+                    # (b"", the file's handle): the name events of the same call say which entries, but not
+                    # which other names the file has (see _writes).
+                    place = (fsid, b"", handle)
             at += size
         if place is None:
             self._lose_all()

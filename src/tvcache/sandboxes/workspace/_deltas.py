@@ -62,11 +62,13 @@ class Delta:
 # -- from the kernel's account to paths ---------------------------------------------------------------------
 
 
-def _open_handle(mount_fd: int, handle: bytes) -> int | None:
-    """A descriptor of the directory `handle` names (type first, as _changes keeps it); None if it is gone."""
+def _open_handle(mount_fd: int, handle: bytes, *, directory: bool = True) -> int | None:
+    """An O_PATH descriptor of the directory (or, not `directory`, anything) `handle` names (type first, as
+    _changes keeps it); None if it is gone."""
     (kind,) = struct.unpack_from("=i", handle)
     raw = struct.pack("=Ii", len(handle) - 4, kind) + handle[4:]
-    fd: int = _libc.open_by_handle_at(mount_fd, raw, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    flags = os.O_PATH | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0)
+    fd: int = _libc.open_by_handle_at(mount_fd, raw, flags)
     if fd >= 0:
         return fd
     err = ctypes.get_errno()
@@ -277,7 +279,7 @@ def make_deltas(
         dirs: list[set[Parts]] = [set() for _ in roots]
         for (handle, name), mask in entries.items():
             if not handle:
-                continue  # a link count changed; the name events of the same calls say where
+                continue  # a link count changed (the file's handle in `name`); the name events say where
             place = places.find(handle)
             if place is None:
                 continue

@@ -277,6 +277,8 @@ class LayeredRoot(SandboxRoot):
         self._listings: list[str | None] = [None] * len(isolation.layout.overlays)
         self._changes = Batch()
         """The kernel's account of the changes since the last restore or snapshot (where it keeps one)."""
+        self._recent = Batch()
+        """The same since the last `take_recent` (a call's changes, for its write set)."""
 
     def _scratch_mount(self) -> str:
         return str(self.box / "scratch")
@@ -300,7 +302,7 @@ class LayeredRoot(SandboxRoot):
         # Once mounted (mounting sets xattrs on the upper dirs): changes count from here, also a file made and
         # deleted by one command, which leaves an upper dir empty but its times changed.
         await self._watch_or_list()
-        self._changes = Batch()
+        self._changes, self._recent = Batch(), Batch()
 
     def _new_scratch(self) -> None:
         """The tmpfs of the (empty) upper and work dirs."""
@@ -338,6 +340,12 @@ class LayeredRoot(SandboxRoot):
 
     def _seen(self, batch: Batch) -> None:
         self._changes.merge(batch)
+        self._recent.merge(batch)
+
+    def take_recent(self) -> Batch | None:
+        """The kernel's account of the changes since the last take (a call's), or None where it keeps none."""
+        recent, self._recent = self._recent, Batch()
+        return None if self._watch is None else recent
 
     async def _relisted(self) -> bool:
         changed = False

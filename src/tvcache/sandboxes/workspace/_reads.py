@@ -30,11 +30,7 @@ socket (connect/bind), statfs; when it wrote anything (the write set's keys are 
 of them before is gone); when the trace is incomplete (the tracer lost the shell's exit, the trace was too large to
 keep) or a relative path cannot be placed.
 
-**Write sets** come from the overlay upper dirs, not the trace: every entry whose (type, inode, size, mtime,
-ctime, mode) changed since the last look gets its new `path:` (and `list:`, `walk:` for directories) digest,
-its parent directory's too, and a deleted entry (gone from the upper dir, or hidden by a new whiteout or
-opaque directory) gets "" for itself and everything that was below it. Copy isolation has no upper dir: no
-write sets there.
+**Write sets** are not traced: see _writes (the kernel's account of the entries a call changed).
 """
 
 from __future__ import annotations
@@ -48,7 +44,7 @@ import re
 import shutil
 import stat
 import struct
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .._shell import ShellState
@@ -57,7 +53,6 @@ from .._syscalls import RESOLVE_IN_ROOT, openat2
 __all__ = [
     "Digester",
     "Trace",
-    "UpperIndex",
     "find_strace",
     "parse_trace",
     "shell_digest",
@@ -659,109 +654,6 @@ def read_set(trace: Trace, root: str, cache: dict[tuple[int, ...], str]) -> tupl
             for how in sorted(hows):
                 digests.read(path, how)
         return dict(digests.keys), ""
-
-
-# -- write sets from the upper dirs --------------------------------------------------------------------------------
-
-Entry = tuple[int, int, int, int, int, int]
-"""(mode, inode, size, mtime_ns, ctime_ns, rdev) of an upper-dir entry."""
-
-
-class UpperIndex:
-    """The entries of a sandbox's overlay upper dirs, to say which paths a call changed.
-
-    `overlays` are (mount point in the sandbox, this process's path of its upper dir, its lower dirs bottom first).
-    """
-
-    def __init__(self, overlays: list[tuple[str, str, tuple[str, ...]]], opaque_xattr: str):
-        self.overlays = overlays
-        self.opaque_xattr = opaque_xattr
-        self.entries = [self._scan(upper) for _, upper, _ in overlays]
-
-    def _scan(self, upper: str) -> dict[str, Entry]:
-        """{relative path: entry} of everything in `upper`, "" for the upper dir itself (the mount point)."""
-        found: dict[str, Entry] = {}
-
-        def add(rel: str, full: str) -> None:
-            with contextlib.suppress(FileNotFoundError):
-                st = os.lstat(full)
-                opaque = stat.S_ISDIR(st.st_mode) and _has_xattr(full, self.opaque_xattr)
-                mode = st.st_mode | (_OPAQUE if opaque else 0)
-                found[rel] = (mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_rdev)
-
-        add("", upper)
-        for dirpath, dirnames, filenames in os.walk(upper):
-            for name in (*dirnames, *filenames):
-                full = os.path.join(dirpath, name)
-                add(os.path.relpath(full, upper), full)
-        return found
-
-    def changes(self) -> Iterator[tuple[str, bool]]:
-        """Rescan; yield (sandbox path, gone) of every entry that changed: gone when it no longer exists there
-        (a whiteout or removed from the upper dir), with everything that was below it."""
-        for k, (point, upper, lowers) in enumerate(self.overlays):
-            before, now = self.entries[k], self._scan(upper)
-            self.entries[k] = now
-            for rel in now.keys() | before.keys():
-                old, new = before.get(rel), now.get(rel)
-                if old == new:
-                    continue
-                path = posixpath.join(point, rel) if rel else point
-                hidden = new is not None and bool(new[0] & _OPAQUE)
-                if new is None or _is_whiteout(new):
-                    yield path, True
-                    for below in _below(lowers, rel):
-                        yield posixpath.join(point, below), True
-                    for prefix in [r for r in before if r.startswith(rel + "/")]:
-                        yield posixpath.join(point, prefix), True
-                    yield posixpath.dirname(path), False
-                else:
-                    yield path, False
-                    if hidden:  # a new opaque directory hides what the lower dirs had below it
-                        for below in _below(lowers, rel):
-                            if below not in now:
-                                yield posixpath.join(point, below), True
-                    if path != "/":
-                        yield posixpath.dirname(path), False
-
-
-_OPAQUE = 1 << 40  # in an Entry's mode: an opaque directory
-
-
-def _is_whiteout(entry: Entry) -> bool:
-    return stat.S_ISCHR(entry[0] & 0xFFFFFFFF) and entry[5] == 0
-
-
-def _has_xattr(path: str, name: str) -> bool:
-    try:
-        return os.getxattr(path, name, follow_symlinks=False) == b"y"
-    except OSError:
-        return False
-
-
-def _below(lowers: tuple[str, ...], rel: str) -> set[str]:
-    """Relative paths under `rel` (itself included) in any of the lower dirs."""
-    found = set()
-    for lower in lowers:
-        top = os.path.join(lower, rel)
-        if not os.path.lexists(top):
-            continue
-        found.add(rel)
-        if os.path.isdir(top) and not os.path.islink(top):
-            for dirpath, dirnames, filenames in os.walk(top):
-                for name in (*dirnames, *filenames):
-                    found.add(os.path.relpath(os.path.join(dirpath, name), lower))
-    return found
-
-
-def write_set(changes: Iterable[tuple[str, bool]], root: str, cache: dict[tuple[int, ...], str]) -> dict[str, str]:
-    """The digests, in `root` after the call, of every key of the paths that changed (see UpperIndex.changes):
-    "" for what is gone."""
-    with Digester(root, cache) as digests:
-        for path, _ in changes:
-            for kind in ("path", "list", "walk"):
-                digests.key(f"{kind}:{path}")
-        return {k: v for k, v in digests.keys.items() if k.split(":", 1)[0] in ("path", "list", "walk")}
 
 
 def file_tool_reads(
