@@ -18,7 +18,7 @@ from redis_server import redis_cluster, redis_server  # noqa: F401  (fixtures fo
 from server_helpers import Server
 from test_stores import ROOT, SCOPE, make_store
 from tvcache.graph import EDGE, MAX_CANDIDATES, MEMO, Candidate, Entry
-from tvcache.reads import Writes, candidate_of, choose
+from tvcache.reads import Writes, candidate_of, choose, digest_in
 from tvcache.sandboxes.base import BaseDigests, Outcome
 from tvcache.sandboxes.sqlite import SQLiteSandboxes
 from tvcache.stores import StoreError
@@ -216,6 +216,25 @@ def test_writes_are_unknown_for_good_once_one_edge_is() -> None:
     w.apply(None)
     w.apply({"c": "3"})
     assert w.known is None
+
+
+def test_a_path_made_removed_or_renamed_clears_what_was_below_it() -> None:
+    """`below:/d` in a write set: every key below /d that the write set does not name is absent, whether the base
+    had it or an earlier edge wrote it; what a later edge writes there counts again."""
+    base = Base({"path:/d/x": "X", "walk:/d": "d", "path:/dx": "Y"})
+    read_x = Candidate({"walk:/d": "d", "path:/d/x": "X"}, b"x", 0.1)
+    read_dx = Candidate({"path:/dx": "Y"}, b"dx", 0.1)
+    w = Writes()
+    w.apply({"path:/d/y": "Z"})
+    w.apply({"below:/d": "", "walk:/d": "d", "path:/d/kept": "K"})  # /d removed, made again with `kept` in it
+    assert w.known == {"below:/d": "", "walk:/d": "d", "path:/d/kept": "K"}
+    assert digest_in("path:/d/x", w.known, base.digests) == ""  # the base had it: gone
+    assert digest_in("path:/d/y", w.known, base.digests) == ""  # an earlier edge wrote it: gone
+    assert digest_in("path:/d/kept", w.known, base.digests) == "K"
+    assert asyncio.run(choose([read_x], w.known, base)) is None
+    assert asyncio.run(choose([read_dx], w.known, base)) is read_dx  # /dx is not below /d
+    w.apply({"path:/d/x": "X"})
+    assert asyncio.run(choose([read_x], w.known, base)) is read_x
 
 
 # -- rollouts -------------------------------------------------------------------------------------------------
