@@ -34,7 +34,7 @@ import posixpath
 from collections.abc import Collection, Mapping, Sequence
 
 from .graph import MAX_READS, Candidate
-from .sandboxes.base import BaseDigests, Outcome, Sandboxes
+from .sandboxes.base import BELOW, BaseDigests, Outcome, Sandboxes
 
 __all__ = [
     "BELOW",
@@ -47,8 +47,6 @@ __all__ = [
     "digest_in",
     "digests",
 ]
-
-BELOW = "below:"
 
 
 async def candidate_of(

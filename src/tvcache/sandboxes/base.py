@@ -15,6 +15,7 @@ from ..calls import ToolCall
 from ..errors import SandboxBusy, SandboxError, SnapshotGone, ToolError
 
 __all__ = [
+    "BELOW",
     "BaseDigests",
     "Outcome",
     "Output",
@@ -31,6 +32,10 @@ __all__ = [
 Output = str | bytes | int | float | bool | None | list[Any] | dict[str, Any]
 
 
+#: The prefix of a write key that clears what was below a path (see `Outcome`).
+BELOW = "below:"
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What one execution produced.
@@ -44,7 +49,8 @@ class Outcome:
     keys name pieces of state in the sandbox kind's own terms (a file, a directory listing, a table), values are
     content digests, "" for absent. `reads` holds everything the call observed, or is None when it could not all
     be observed (then the result is reused only by exact history); `writes` holds the new digest of everything a
-    state-changing call changed, or None when unknown.
+    state-changing call changed, or None when unknown. A key `BELOW + p` in `writes` (value "") says that every key
+    of a path strictly below `p` that `writes` does not name is absent now (`p` was removed, replaced or renamed).
 
     A state-changing call with `reads` (not None) and `writes` may be reused in another state too: the sandbox
     vouches that `reads` are the digests as they were before the call, and that `writes` are what executing it in

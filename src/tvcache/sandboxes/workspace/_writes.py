@@ -7,8 +7,8 @@ sandbox's root after the call, so its cost is the call's changes, not the sandbo
 - an entry changed in place (content, mode, owner, times, xattrs): its `path:`, `list:` and `walk:` digests, and
   its directory's;
 - an entry whose name changed (made, removed, renamed away or there; a whiteout made for a deletion, a directory
-  made opaque): the same, and `below:<path>` = "" (see the cache core's `BELOW`): nothing that was below it is
-  there any more but what the write set names. If it is a directory now, every path below it (the merged view,
+  made opaque): the same, and `below:<path>` = "" (see `Outcome`): nothing that was below it is there any more
+  but what the write set names. If it is a directory now, every path below it (the merged view,
   so a renamed directory brings what the lower dirs have below it) is digested too, walked relative to directory
   descriptors (see _fdtree), at any depth;
 - a file's link count changed (a hard link made or removed): the kernel names the inode, not a path. Its one name
@@ -27,10 +27,10 @@ import os
 import posixpath
 import stat
 
-from ...reads import BELOW
 from .._fdtree import OPEN_DIR, Walk, open_below
 from .._layers import is_whiteout
 from .._syscalls import openat2
+from ..base import BELOW
 from ._changes import NAME_EVENTS
 from ._deltas import NotIncremental, _open_handle, _Places
 from ._reads import _CANONICAL, Digester
