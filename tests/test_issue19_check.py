@@ -8,9 +8,9 @@ sandboxes, and both through `tvcache sandbox-server` + `RemoteSandboxes`:
 - the race: a command that swaps files and directories with symlinks to host files, a host directory and
   `/proc/self/environ` (`renameat2(RENAME_EXCHANGE)`) while a snapshot is taken; no host byte may reach a snapshot
   (on Docker also with the racer on the host, in the container's upper dir, as a survivor would be);
-- deep trees (10,000 levels) and paths past PATH_MAX, also as the shell's working directory: every call is an
-  Outcome, a snapshot works or raises SandboxError, nothing else raises, and the next factory removes what a
-  killed process left;
+- deep trees (10,000 levels; 2,500 in some kinds, see `levels`) and paths past PATH_MAX, also as the shell's
+  working directory: every call is an Outcome, a snapshot works or raises SandboxError, nothing else raises, and
+  the next factory removes what a killed process left;
 - `ls -la` across a snapshot, with sockets, capabilities, xattrs, whiteouts, opaque directories, hard links: what
   a sandbox restored after any step prints equals what a fresh one printed uncached, also through a ToolCache;
 - a slowloris against `tvcache serve` and `tvcache sandbox-server` under `ulimit -n 1024`.
@@ -318,10 +318,24 @@ while True:
 
 # -- deep trees and PATH_MAX -----------------------------------------------------------------------------------
 
-LEVELS = 10_000
-DEEP = f"""perl -e 'mkdir "/testbed/deep" or die; chdir "/testbed/deep" or die;
-for (1 .. {LEVELS}) {{ mkdir "dd" or die "$!"; chdir "dd" or die "$!" }}
+#: 10,000 levels in one kind of sandbox; 2,500 in the others: past Python's recursion limit (1,100 levels first
+#: failed) and PATH_MAX (1,361 levels of `dd/`), and deeper than the 2,100-level working directory below. Every kind
+#: walks trees with the same code (`_fdtree`, `_layers`), whose cost each level adds to; at 10,000 levels a Docker
+#: kind takes a minute. The full depth in every kind is a long run's: `TVCACHE_MILLION=1` (docs/development.md).
+FULL_DEPTH = "overlay"
+
+
+def levels(kind: str) -> int:
+    return 10_000 if kind == FULL_DEPTH or os.environ.get("TVCACHE_MILLION") else 2_500
+
+
+def deep(levels: int) -> str:
+    """A command that makes a tree of `levels` directories under /testbed/deep, with a file at the bottom."""
+    return f"""perl -e 'mkdir "/testbed/deep" or die; chdir "/testbed/deep" or die;
+for (1 .. {levels}) {{ mkdir "dd" or die "$!"; chdir "dd" or die "$!" }}
 open my $f, ">", "bottom" or die; print $f "deep\\n"'"""
+
+
 LONG = "/testbed/deep/" + "dd/" * 2100 + "bottom"  # 6,314 bytes: past PATH_MAX (4,096)
 
 
@@ -329,13 +343,14 @@ def test_deep_trees_and_paths_past_path_max_are_answers_and_nothing_raises(
     kind: str, request: pytest.FixtureRequest
 ) -> None:
     where, tmp = task(kind, request)
+    depth = levels(kind)
 
     async def main() -> None:
         async with sandboxes(kind, where, tmp) as boxes:
             box = await boxes.create()
             before = await output(box, "ls -A /testbed")
-            assert (await call(box, DEEP)).output["exit_code"] == 0
-            assert await output(box, "find /testbed/deep | wc -l") == f"{LEVELS + 2}\n"
+            assert (await call(box, deep(depth))).output["exit_code"] == 0
+            assert await output(box, "find /testbed/deep | wc -l") == f"{depth + 2}\n"
             # The shell's working directory past PATH_MAX: an answer now, and in the next call.
             # (In steps of 700 levels: bash walks its whole $PWD at each `cd`, quadratic one level at a time.)
             await call(box, 'cd /testbed/deep; p=$(printf "dd/%.0s" {1..700}); cd $p; cd $p; cd $p; pwd | wc -c')
@@ -360,7 +375,7 @@ def test_deep_trees_and_paths_past_path_max_are_answers_and_nothing_raises(
                     assert await output(other, "find /testbed/deep -name bottom | wc -l") == "1\n"
                     assert await output(other, "rm -rf /testbed/deep && echo removed") == "removed\n"
             assert await output(box, "rm -rf /testbed/deep && ls -A /testbed") == before
-            await call(box, DEEP)  # left for close to remove
+            await call(box, deep(depth))  # left for close to remove
 
     run(main())
 
@@ -391,7 +406,7 @@ def test_the_next_factory_removes_the_deep_trees_a_killed_process_left(
 ) -> None:
     where, tmp = task(local, request)
     child = subprocess.Popen(
-        [sys.executable, "-c", KILLED, local, where, str(tmp), DEEP], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", KILLED, local, where, str(tmp), deep(levels(local))], stdout=subprocess.PIPE, text=True
     )
     assert child.stdout is not None and child.stdout.readline() == "ready\n"
     child.send_signal(signal.SIGKILL)
