@@ -530,16 +530,23 @@ def e2e_command(rng: random.Random) -> str:
     )
 
 
-async def e2e_wrong(cache: Any, boxes: WorkspaceSandboxes, plan: list[list[str]]) -> int:
-    """Run the rollouts one after another through `cache`; count answers unlike the uncached history's."""
-    wrong = 0
+async def uncached(boxes: WorkspaceSandboxes, plan: list[list[str]]) -> list[list[Any]]:
+    """The oracle: each rollout's answers, executed in a fresh sandbox."""
+    answers = []
     for commands in plan:
+        oracle = await boxes.create()
+        answers.append([(await oracle.execute(bash(c))).output for c in commands])
+        await oracle.close()
+    return answers
+
+
+async def e2e_wrong(cache: Any, boxes: WorkspaceSandboxes, plan: list[list[str]], want: list[list[Any]]) -> int:
+    """Run the rollouts one after another through `cache`; count answers unlike the uncached history's (`want`)."""
+    wrong = 0
+    for commands, answers in zip(plan, want, strict=True):
         async with cache.rollout("t", boxes, tools=tvcache.Tools()) as r:
             got = [(await r.call("bash", {"command": c})).output for c in commands]
-        oracle = await boxes.create()
-        want = [(await oracle.execute(bash(c))).output for c in commands]
-        await oracle.close()
-        wrong += sum(a != b for a, b in zip(got, want, strict=True))
+        wrong += sum(a != b for a, b in zip(got, answers, strict=True))
     return wrong
 
 
@@ -551,10 +558,11 @@ def test_the_cache_reuses_by_read_sets_and_every_answer_equals_the_uncached_hist
     async def main() -> tuple[int, int, dict[str, Any]]:
         with tree(E2E_FILES) as base:
             async with factory(base) as boxes:
+                want = await uncached(boxes, plan)
                 async with tvcache.ToolCache(snapshot_budget=2) as cache:
-                    wrong = await e2e_wrong(cache, boxes, plan)
+                    wrong = await e2e_wrong(cache, boxes, plan, want)
                     stats = cache.stats()
-                naive = await e2e_wrong(NaiveCache(), boxes, plan)
+                naive = await e2e_wrong(NaiveCache(), boxes, plan, want)
         return wrong, naive, stats
 
     wrong, naive, stats = asyncio.run(main())
