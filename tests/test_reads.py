@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import kv
 import tvcache
 from redis_server import redis_cluster, redis_server  # noqa: F401  (fixtures for the redis stores)
 from server_helpers import Server
+from test_oracle import NaiveCache, check_against_oracle, kv_plan
 from test_stores import ROOT, SCOPE, make_store
 from tvcache.graph import EDGE, MAX_CANDIDATES, MEMO, Candidate, Entry
 from tvcache.reads import Writes, candidate_of, choose, digest_in
@@ -407,3 +411,80 @@ def test_remote_sandboxes_carry_read_sets(db: Path, tmp_path: Path) -> None:
             return await boxes.base_digests(["table:main.b"])
 
     assert sources == ["reads"] and base == asyncio.run(local())
+
+
+# -- Python sandboxes that say what a call read -----------------------------------------------------------------
+
+
+def test_observed_python_sandboxes_report_what_a_call_read_and_wrote() -> None:
+    async def main() -> list[Outcome]:
+        boxes = kv.observed_sandboxes()
+        box = await boxes.create()
+        calls = [("write", {"key": "a", "value": "x"}), ("append", {"key": "a", "value": "y"}), ("read", {"key": "a"})]
+        outcomes = [await box.execute(kv.TOOLS.call(tool, args)) for tool, args in calls]
+        outcomes.append(await box.execute(kv.TOOLS.call("read", {"key": "b"})))
+        assert await boxes.base_digests(["key:a", "*"]) == {"key:a": "", "*": "[]"}
+        return outcomes
+
+    write, append, read, missing = asyncio.run(main())
+    assert (write.reads, write.writes) == ({"*": "['a']"}, {"key:a": "=x", "*": "['a']"})
+    assert append.reads == {"key:a": "=xy", "*": "['a']"} and append.writes == {"key:a": "=xy", "*": "['a']"}
+    assert (read.changed, read.reads, read.writes) == (False, {"key:a": "=xy"}, None)
+    assert missing.reads == {"key:b": ""}
+    # A plain PythonSandboxes reports nothing and is no BaseDigests: exact history only.
+    assert not isinstance(kv.sandboxes(), BaseDigests) and isinstance(kv.observed_sandboxes(), BaseDigests)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32), rollouts=st.integers(2, 8), length=st.integers(1, 10), budget=st.integers(0, 4))
+def test_observed_python_sandboxes_answer_as_the_uncached_history(
+    seed: int, rollouts: int, length: int, budget: int
+) -> None:
+    plan = kv_plan(seed, rollouts, length)
+
+    async def main() -> int:
+        async with tvcache.ToolCache(snapshot_budget=budget) as cache:
+            return await check_against_oracle(cache, kv.observed_sandboxes(), plan, kv.TOOLS, seed=seed)
+
+    assert asyncio.run(main()) == 0
+
+
+def test_observed_python_sandboxes_reuse_writes_where_the_naive_cache_is_wrong() -> None:
+    plans = [kv_plan(seed, 6, 8) for seed in range(20)]
+
+    async def main() -> tuple[int, int, int]:
+        wrong = naive_wrong = 0
+        async with tvcache.ToolCache() as cache:
+            for seed, plan in enumerate(plans):
+                wrong += await check_against_oracle(cache, kv.observed_sandboxes(), plan, kv.TOOLS, seed=seed)
+            edges = cache.stats()["read_set_edges"]
+        for seed, plan in enumerate(plans):
+            naive_wrong += await check_against_oracle(NaiveCache(), kv.sandboxes(), plan, kv.TOOLS, seed=seed)
+        return wrong, edges, naive_wrong
+
+    wrong, edges, naive_wrong = asyncio.run(main())
+    assert wrong == 0 and edges > 0 and naive_wrong > 0
+
+
+def test_a_write_that_does_not_say_all_it_read_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control for the declarations above: a `write` that does not say it read the listing (which the listing
+    it leaves depends on) gives wrong answers on the same plans, and rebuilds that re-execute its reused writes
+    find other digests than recorded (mismatches)."""
+    honest = kv.run_observed
+
+    async def careless(state: dict[str, str], call: tvcache.ToolCall) -> Any:
+        observed = await honest(state, call)
+        return kv.Observed(observed.output, [], observed.writes) if call.tool == "write" else observed
+
+    monkeypatch.setattr(kv, "run_observed", careless)
+
+    async def main() -> tuple[int, dict[str, Any]]:
+        wrong = 0
+        async with tvcache.ToolCache() as cache:
+            for seed in range(20):
+                plan = kv_plan(seed, 6, 8)
+                wrong += await check_against_oracle(cache, kv.observed_sandboxes(), plan, kv.TOOLS, seed=seed)
+            return wrong, cache.stats()
+
+    wrong, stats = asyncio.run(main())
+    assert wrong > 0 and stats["mismatches"] > 0

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import tvcache as tvcache_mod
 from tvcache.calls import ToolCall
 from tvcache_bench import cli as replay_cli
 from tvcache_bench.data import workload_path
@@ -40,6 +41,65 @@ def test_airline_rollouts_under_tvcache_match_the_uncached_answers_and_final_sta
     assert states is not None and states.rollouts == 48 and states.ok and states.detached == 0
     # The reference run was worth having: the naive cache did serve a stale answer on these tasks.
     assert (result.strategies["naive"].incorrect_hits or 0) > 0
+
+
+def test_airline_sandboxes_report_the_records_a_call_read_and_wrote() -> None:
+    """A booking looks up its user, its flights and the reservation ids it probes for the first free one, and
+    stores the new reservation and the user; a search goes through the whole flights table."""
+    from test_airline import USER, booking
+
+    async def go() -> list[Any]:
+        boxes = airline_bench.make_sandboxes(latency=0.0)
+        try:
+            box = await boxes.create()
+            booked = await box.execute(booking())
+            search = await box.execute(ToolCall("search_direct_flight", {"origin": "JFK", "destination": "SEA",
+                                                                           "date": "2024-05-20"}))  # fmt: skip
+            base = await boxes.base_digests(["reservations/HATHAT", f"users/{USER}"])
+            return [booked, search, base]
+        finally:
+            await boxes.close()
+
+    booked, search, base = asyncio.run(go())
+    assert booked.changed and booked.reads is not None and booked.writes is not None
+    assert {f"users/{USER}", "flights/HAT136", "flights/HAT039", "reservations/HATHAT"} <= set(booked.reads)
+    assert set(booked.writes) == {"reservations/HATHAT", f"users/{USER}"}
+    assert base["reservations/HATHAT"] == "" and booked.writes["reservations/HATHAT"] != ""
+    assert base[f"users/{USER}"] != booked.writes[f"users/{USER}"]
+    assert search.changed is False and search.reads is not None and set(search.reads) == {"flights"}
+
+
+def test_an_airline_write_is_reused_after_a_write_to_another_user() -> None:
+    """Two rollouts cancel the same reservation, the second after a certificate sent to another user: exact
+    history shares nothing after the root, but the cancellation read only its reservation, so the second takes the
+    first's answer and writes, and its next read of the reservation is answered by what it read too."""
+    from test_airline import RESERVATION
+
+    other = next(u for u in airline.load_db()["users"] if u != "omar_davis_3817")
+    cancel = ToolCall("cancel_reservation", {"reservation_id": RESERVATION})
+    details = ToolCall("get_reservation_details", {"reservation_id": RESERVATION})
+    certificate = ToolCall("send_certificate", {"user_id": other, "amount": 100})
+
+    async def go() -> tuple[list[list[Any]], list[list[str]], dict[str, float]]:
+        boxes = airline_bench.make_sandboxes(latency=0.0)
+        tools = airline.tool_annotations()
+        got: list[list[Any]] = []
+        expected: list[list[str]] = []
+        try:
+            async with tvcache_mod.ToolCache() as cache:
+                for calls in ([cancel, details], [certificate, cancel, details]):
+                    async with cache.rollout("t", boxes, tools=tools) as r:
+                        got.append([await r.call(c.tool, c.args) for c in calls])
+                    db = airline.load_db()
+                    expected.append([airline.run(db, c) for c in calls])
+                return got, expected, cache.stats()
+        finally:
+            await boxes.close()
+
+    got, expected, stats = asyncio.run(go())
+    assert [[r.output for r in results] for results in got] == expected
+    assert [r.source for r in got[1]] == ["executed", "reads", "reads"]
+    assert stats["read_set_edges"] == 1
 
 
 def test_the_final_state_check_catches_a_write_taken_for_a_read() -> None:

@@ -17,6 +17,15 @@ can reason about without copying the state: the call and the answer it got ("`bo
 unless they answered with an error"). A function over the state itself would need a copy of the state from
 before every call, which is exactly the cost it is meant to avoid. Returning None means "cannot tell", and
 the cache then assumes the call changed the state.
+
+**What a call read.** `ObservedPythonSandboxes` adds reuse by what a call read (`tvcache.reads`) for tools that
+say what they touched: `run` returns `Observed(output, reads, writes)`, naming the pieces of state (keys of the
+user's choosing, such as `"users/mia_1"`) the call read and wrote, and `digest(state, key)` gives a key's content
+digest in a state ("" for absent). The sandbox reports each read key's digest and, for a call that changed the
+state, each written key's new one; the starting state's digests are those of a fresh `make()`. This is the tool's
+promise, as `read_only` is: the call's output and writes must depend on nothing but the keys it names (no clock,
+no randomness, no state outside them), and `digest` must change whenever a key's content does. A run that returns
+a plain output is reused by exact history only.
 """
 
 from __future__ import annotations
@@ -26,21 +35,43 @@ import hashlib
 import inspect
 import json
 import pickle
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ..calls import ToolCall
 from .base import Outcome, Output
 from .lifecycle import ManagedSandbox, ManagedSandboxes
 
-__all__ = ["ChangedFunction", "PythonSandbox", "PythonSandboxes", "RunFunction"]
+__all__ = [
+    "ChangedFunction",
+    "DigestFunction",
+    "Observed",
+    "ObservedPythonSandboxes",
+    "PythonSandbox",
+    "PythonSandboxes",
+    "RunFunction",
+]
 
 S = TypeVar("S")
 
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """What a `run` of `ObservedPythonSandboxes` returns: the output, and the keys of the state the call read and
+    wrote (see the module docstring)."""
+
+    output: Output
+    reads: Collection[str]
+    writes: Collection[str] = ()
+
+
 #: Executes one call against a state object; may be a plain function or a coroutine function.
-RunFunction = Callable[[S, ToolCall], Output | Awaitable[Output]]
+RunFunction = Callable[[S, ToolCall], Output | Observed | Awaitable[Output | Observed]]
 #: Tells from a call and its output whether the call changed the state (None: cannot tell).
 ChangedFunction = Callable[[ToolCall, Output], bool | None]
+#: A key's content digest in a state ("" when absent).
+DigestFunction = Callable[[S, str], str]
 
 
 class PythonSandboxes(ManagedSandboxes["PythonSandbox[S]", S], Generic[S]):
@@ -72,6 +103,7 @@ class PythonSandboxes(ManagedSandboxes["PythonSandbox[S]", S], Generic[S]):
         self._run = run
         self._changed = changed
         self._fingerprint = fingerprint
+        self._key_digest: DigestFunction[S] | None = None  # set by ObservedPythonSandboxes
 
     @property
     def fingerprint(self) -> str:
@@ -97,6 +129,33 @@ class PythonSandboxes(ManagedSandboxes["PythonSandbox[S]", S], Generic[S]):
     async def delete(self, snapshot_id: str) -> None:
         # Deleting twice is harmless: eviction and cleanup may race.
         self._forget(snapshot_id)
+
+
+class ObservedPythonSandboxes(PythonSandboxes[S]):
+    """`PythonSandboxes` whose `run` says what each call read and wrote (`Observed`), and `digest(state, key)` the
+    content digest of a key: results are also reused by what the calls read (see the module docstring)."""
+
+    def __init__(
+        self,
+        make: Callable[[], S],
+        run: RunFunction[S],
+        fingerprint: str,
+        *,
+        digest: DigestFunction[S],
+        changed: ChangedFunction | None = None,
+    ) -> None:
+        if not callable(digest):
+            raise TypeError("digest must be a callable digest(state, key) -> str")
+        super().__init__(make, run, fingerprint, changed=changed)
+        self._key_digest = digest
+        self._start: S | None = None  # a fresh state, made on the first question about the starting state
+
+    async def base_digests(self, keys: Collection[str]) -> Mapping[str, str]:
+        if self._start is None:
+            self._start = self._make()
+        start, digest = self._start, self._key_digest
+        assert digest is not None
+        return {key: digest(start, key) for key in keys}
 
 
 class PythonSandbox(ManagedSandbox, Generic[S]):
@@ -132,12 +191,21 @@ class PythonSandbox(ManagedSandbox, Generic[S]):
             # The call may have changed the state half-way: measure it afresh next time.
             self._digest = None
             raise
-        output = _as_output(result, call)
+        observed = result if isinstance(result, Observed) else None
+        output = _as_output(result if observed is None else observed.output, call)
         if user_changed is not None:
-            return Outcome(output, changed=user_changed(call, output))
-        self._digest = after = _digest(self._obj)
-        changed = None if before is None or after is None else before != after
-        return Outcome(output, changed=changed)
+            changed = user_changed(call, output)
+        else:
+            self._digest = after = _digest(self._obj)
+            changed = None if before is None or after is None else before != after
+        digest = self._factory._key_digest
+        if observed is None or digest is None:
+            return Outcome(output, changed=changed)
+        # Read keys are digested after the call: those it did not write are as they were; for those it did, the
+        # cache takes the digest before the call from its own record of the state.
+        reads = {key: digest(self._obj, key) for key in observed.reads}
+        writes = None if changed is False else {key: digest(self._obj, key) for key in observed.writes}
+        return Outcome(output, changed=changed, reads=reads, writes=writes)
 
     async def snapshot(self) -> str:
         async with self._turn():

@@ -12,6 +12,13 @@ write changed the database is what the tool itself reports (a refused booking ch
 the database (fresh state, snapshot, restore) is `airline.copy_db`: new tables sharing the records, which
 the tools never change in place, so it takes microseconds where a deep copy takes half a second.
 
+**What a call read.** The sandboxes are `ObservedPythonSandboxes`: each call runs on a view of the tables that
+notes the records it looked up (found or not) and stored, `users/<id>`, `reservations/<id>`, `flights/<number>`,
+and a whole table it went through (`flights`, which the searches scan); a record's digest is a hash of its JSON
+(key order included, as outputs show it). So tvcache also reuses a result recorded in another state when the
+records it read are the same there, a booking or a cancellation with its writes too. The tools are pure functions
+of the records they touch (ids are the first free ones, which a booking looks up; the booking time is fixed).
+
 **Latency model.** The tools run in-process in microseconds, where a deployed agent's tools are calls to a
 booking service. Each tool execution therefore waits a fixed `latency` (default 50 ms, `--latency`, 0 to
 turn it off) before running: a stand-in for the round trip to that service, paid by every execution
@@ -33,14 +40,24 @@ import asyncio
 import contextlib
 import hashlib
 import json
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    ItemsView,
+    Iterable,
+    Iterator,
+    KeysView,
+    Mapping,
+    MutableMapping,
+    Sequence,
+    ValuesView,
+)
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tvcache.calls import ToolCall, Tools
 from tvcache.rollout import Result
 from tvcache.sandboxes.base import Sandboxes
-from tvcache.sandboxes.python import PythonSandboxes
+from tvcache.sandboxes.python import Observed, ObservedPythonSandboxes
 
 from ...data import workload_path
 from ...replay import ReplayOptions, ReplayResult, replay
@@ -81,7 +98,9 @@ class AirlineState:
         return AirlineState(airline.copy_db(self.db))
 
 
-def make_sandboxes(latency: float = LATENCY, initial: airline.Db | None = None) -> PythonSandboxes[AirlineState]:
+def make_sandboxes(
+    latency: float = LATENCY, initial: airline.Db | None = None
+) -> ObservedPythonSandboxes[AirlineState]:
     """Sandboxes over fresh copies of `initial` (default: the shared database), each execution waiting
     `latency` seconds first (see the module docstring)."""
     if not latency >= 0:
@@ -91,18 +110,89 @@ def make_sandboxes(latency: float = LATENCY, initial: airline.Db | None = None) 
     # with the same call object, so the answer is passed along by the call's identity.
     said: dict[int, bool] = {}
 
-    async def run(state: AirlineState, call: ToolCall) -> str:
+    async def run(state: AirlineState, call: ToolCall) -> Observed:
         if latency > 0:
             await asyncio.sleep(latency)
-        output, changed = airline.execute(state.db, call)
+        reads: set[str] = set()
+        writes: set[str] = set()
+        view = {table: _Touched(table, rows, reads, writes) for table, rows in state.db.items()}
+        output, changed = airline.execute(cast(airline.Db, view), call)  # the tools use mapping methods only
         said[id(call)] = changed
-        return output
+        return Observed(output, reads, writes)
 
     def changed(call: ToolCall, output: Any) -> bool | None:
         return said.pop(id(call), None)
 
-    fingerprint = "tvcache-airline-bench/1 " + (airline.fingerprint() if initial is None else _db_hash(db))
-    return PythonSandboxes(lambda: AirlineState(airline.copy_db(db)), run, fingerprint, changed=changed)
+    fingerprint = "tvcache-airline-bench/2 " + (airline.fingerprint() if initial is None else _db_hash(db))
+    return ObservedPythonSandboxes(
+        lambda: AirlineState(airline.copy_db(db)), run, fingerprint, digest=_TableDigests().of, changed=changed
+    )
+
+
+class _Touched(MutableMapping[str, Any]):
+    """A table of the database as a tool sees it, noting the keys it reads and writes: a record looked up (found
+    or not: `table/key`) or stored, and the whole table (`table`) when the tool goes through it."""
+
+    def __init__(self, name: str, rows: dict[str, Any], reads: set[str], writes: set[str]):
+        self._name, self._rows, self._reads, self._writes = name, rows, reads, writes
+
+    def __getitem__(self, key: str) -> Any:
+        self._reads.add(f"{self._name}/{key}")
+        return self._rows[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._writes.add(f"{self._name}/{key}")
+        self._rows[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        self._writes.add(f"{self._name}/{key}")
+        del self._rows[key]
+
+    def _whole(self) -> dict[str, Any]:
+        self._reads.add(self._name)
+        return self._rows
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._whole())
+
+    def __len__(self) -> int:
+        return len(self._whole())
+
+    # The table's own views, at C speed: a search scans every flight, twice over for one-stop flights.
+    def keys(self) -> KeysView[str]:
+        return self._whole().keys()
+
+    def values(self) -> ValuesView[Any]:
+        return self._whole().values()
+
+    def items(self) -> ItemsView[str, Any]:
+        return self._whole().items()
+
+
+class _TableDigests:
+    """Digests of the keys `_Touched` names: a hash of a record's JSON ("" when absent), or of a whole table's. The
+    flights table is shared by every copy of the database and never written (`airline.copy_db`): its digest is
+    computed once per table object."""
+
+    def __init__(self) -> None:
+        self._shared: dict[int, tuple[dict[str, Any], str]] = {}
+
+    def of(self, state: AirlineState, key: str) -> str:
+        table, slash, row = key.partition("/")
+        rows = state.db[table]
+        if slash:
+            record = rows.get(row)
+            return "" if record is None else _hash_json(record)
+        if table != "flights":
+            return _hash_json(rows)
+        kept = self._shared.get(id(rows))
+        if kept is None or kept[0] is not rows:
+            kept = self._shared[id(rows)] = (rows, _hash_json(rows))
+        return kept[1]
+
+
+def _hash_json(value: Any) -> str:
+    return hashlib.blake2b(json.dumps(value).encode(), digest_size=16).hexdigest()
 
 
 def _db_hash(db: airline.Db) -> str:
