@@ -363,21 +363,25 @@ async def oracle_run(db: Path, plan: Plan, seed: int, cache: Any) -> int:
         return await check_against_oracle(cache, boxes, plan, tvcache.Tools(), seed=seed)
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-@given(
-    plan=st.lists(
-        st.lists(st.tuples(st.just("sql"), st.fixed_dictionaries({"query": st.sampled_from(STATEMENTS)})), max_size=8),
-        min_size=2,
-        max_size=5,
-    ),
-    seed=st.integers(0, 2**16),
-    budget=st.integers(0, 3),
-)
+def oracle_examples(statements: list[str], examples: int, rollouts: int) -> Any:
+    """The hypothesis decorators of an oracle test: plans of 2 to `rollouts` rollouts of up to 8 `statements`,
+    a seed for their interleaving and a snapshot budget."""
+    calls = st.tuples(st.just("sql"), st.fixed_dictionaries({"query": st.sampled_from(statements)}))
+    plans = st.lists(st.lists(calls, max_size=8), min_size=2, max_size=rollouts)
+
+    def decorate(test: Any) -> Any:
+        examples_of = given(plan=plans, seed=st.integers(0, 2**16), budget=st.integers(0, 3))(test)
+        return settings(
+            max_examples=examples,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        )(examples_of)
+
+    return decorate
+
+
+@oracle_examples(STATEMENTS, examples=60, rollouts=5)
 def test_every_answer_equals_the_uncached_history(db: Path, plan: Plan, seed: int, budget: int) -> None:
     async def main() -> int:
         async with tvcache.ToolCache(snapshot_budget=budget) as cache:
@@ -433,16 +437,18 @@ def test_rollouts_in_any_order_share_reads(db: Path) -> None:
 
 class Forgetful:
     """SQLite sandboxes whose read-only calls claim to have read nothing: what a tracer that loses reads would
-    report. Used to plant wrong read-set hits."""
+    report. Used to plant wrong read-set hits. Subclasses plant other lies with another `box` class."""
+
+    box: Any = None  # set below, once _Forgetful exists
 
     def __init__(self, inner: SQLiteSandboxes):
         self.inner, self.fingerprint = inner, inner.fingerprint
 
     async def create(self) -> Any:
-        return _Forgetful(await self.inner.create())
+        return self.box(await self.inner.create())
 
     async def restore(self, snapshot_id: str) -> Any:
-        return _Forgetful(await self.inner.restore(snapshot_id))
+        return self.box(await self.inner.restore(snapshot_id))
 
     async def delete(self, snapshot_id: str) -> None:
         await self.inner.delete(snapshot_id)
@@ -464,6 +470,9 @@ class _Forgetful:
 
     async def close(self) -> None:
         await self.box.close()
+
+
+Forgetful.box = _Forgetful
 
 
 def test_replays_count_read_set_hits_and_judge_each(db: Path) -> None:
@@ -547,18 +556,10 @@ def test_a_write_whose_inputs_differ_executes(db: Path) -> None:
     assert stats["read_set_edges"] == 0
 
 
-class Afterwards(Forgetful):
-    """SQLite sandboxes that report, for a key a write both read and wrote, the digest after the call: what a
-    tracer that digests what a command read once it has run would report (a hazard)."""
-
-    async def create(self) -> Any:
-        return _Afterwards(await self.inner.create())
-
-    async def restore(self, snapshot_id: str) -> Any:
-        return _Afterwards(await self.inner.restore(snapshot_id))
-
-
 class _Afterwards(_Forgetful):
+    """For a key a write both read and wrote, the digest after the call: what a tracer that digests what a command
+    read once it has run would report (a hazard)."""
+
     async def execute(self, call: ToolCall) -> Outcome:
         outcome = await self.box.execute(call)
         if outcome.reads is None or outcome.writes is None:
@@ -578,24 +579,24 @@ def test_a_write_that_reads_what_it_writes_is_keyed_on_the_state_before_it(db: P
     assert got[1][2][1] == "count(*)\n       4" and stats["read_set_edges"] == 0
 
 
-class Blind(Forgetful):
-    """SQLite sandboxes that leave out of a write's reads the tables it only read: a tracer that loses reads.
-    Used to plant a wrong reuse of a state-changing call."""
-
-    async def create(self) -> Any:
-        return _Blind(await self.inner.create())
-
-    async def restore(self, snapshot_id: str) -> Any:
-        return _Blind(await self.inner.restore(snapshot_id))
-
-
 class _Blind(_Forgetful):
+    """A write's reads without the t0 keys it only read: a tracer that loses reads, planting a wrong reuse of a
+    state-changing call."""
+
     async def execute(self, call: ToolCall) -> Outcome:
         outcome = await self.box.execute(call)
         if outcome.reads is None or outcome.writes is None:
             return outcome
         kept = {key: digest for key, digest in outcome.reads.items() if key.split(".")[-1] != "t0"}
         return dataclasses.replace(outcome, reads=kept)
+
+
+class Afterwards(Forgetful):
+    box = _Afterwards
+
+
+class Blind(Forgetful):
+    box = _Blind
 
 
 def test_a_rebuilt_state_that_wrote_otherwise_than_recorded_detaches_the_rollout(db: Path) -> None:
@@ -638,21 +639,7 @@ SHUFFLED = [
 ]
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-@given(
-    plan=st.lists(
-        st.lists(st.tuples(st.just("sql"), st.fixed_dictionaries({"query": st.sampled_from(SHUFFLED)})), max_size=8),
-        min_size=2,
-        max_size=6,
-    ),
-    seed=st.integers(0, 2**16),
-    budget=st.integers(0, 3),
-)
+@oracle_examples(SHUFFLED, examples=40, rollouts=6)
 def test_writes_reused_by_what_they_read_across_caches_sharing_a_store_equal_the_uncached_history(
     db: Path, tmp_path_factory: pytest.TempPathFactory, plan: Plan, seed: int, budget: int
 ) -> None:

@@ -73,6 +73,10 @@ Count = Annotated[float, msgspec.Meta(ge=0, le=MAX_COUNT, multiple_of=1)]
 MAX_STATE_KEYS = 100_000  # keys one edge may write
 StateKey = Annotated[str, msgspec.Meta(max_length=8192, description="a piece of sandbox state: a file, a table")]
 StateDigest = Annotated[str, msgspec.Meta(max_length=256, description="its content digest, empty for absent")]
+StateWrites = Annotated[
+    dict[StateKey, StateDigest],
+    msgspec.Meta(max_length=MAX_STATE_KEYS, description="what a state-changing call wrote: state key -> new digest"),
+]
 
 
 class WireEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -82,13 +86,7 @@ class WireEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output: Annotated[bytes, msgspec.Meta(description="the encoded tool output, base64", extra_json_schema=_B64)]
     seconds: Annotated[float, msgspec.Meta(ge=0, le=1e9, description="how long the execution took")]
     call: Annotated[str, msgspec.Meta(max_length=4096, description="the call's key, cut short, for people")] = ""
-    writes: (
-        Annotated[
-            dict[StateKey, StateDigest],
-            msgspec.Meta(max_length=MAX_STATE_KEYS, description="an edge's writes: state key -> new digest"),
-        ]
-        | None
-    ) = None
+    writes: StateWrites | None = None
 
     @classmethod
     def of(cls, entry: Entry) -> WireEntry:
@@ -109,13 +107,7 @@ class WireCandidate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output: Annotated[bytes, msgspec.Meta(description="the encoded tool output, base64", extra_json_schema=_B64)]
     seconds: Annotated[float, msgspec.Meta(ge=0, le=1e9, description="how long the execution took")]
     call: Annotated[str, msgspec.Meta(max_length=4096, description="the call's key, cut short, for people")] = ""
-    writes: (
-        Annotated[
-            dict[StateKey, StateDigest],
-            msgspec.Meta(max_length=MAX_STATE_KEYS, description="a state-changing call's writes: key -> new digest"),
-        ]
-        | None
-    ) = None
+    writes: StateWrites | None = None
 
     @classmethod
     def of(cls, candidate: Candidate) -> WireCandidate:
