@@ -14,8 +14,11 @@ set itself lies in no step and stays a raw number, which the uncached run never 
 What a sandbox restored from a snapshot does not keep, listed in the exceptions to the correctness invariant
 (docs/threat-model.md): inode numbers, change times (the kernel sets both when a file is made; no call sets them),
 and `df -i`'s count. Where the run went through a restore they are left out; where it only took snapshots and went
-on, they are compared too. Access times are not compared: relatime updates one on a read when it is not newer than
-the last change, which at the kernel's clock granularity differs between two uncached runs of the same history.
+on, they are compared too: every sandbox draws where its inode numbers start and how many inodes it holds apart
+(workspace._isolation._scramble), which these tests turn off, so that they see whether taking a snapshot changed
+any of them in the sandbox that goes on. Access times are not compared: relatime updates one on a read when it is
+not newer than the last change, which at the kernel's clock granularity differs between two uncached runs of the
+same history.
 
 CI runs a fixed, derandomized set of examples per mode; `TVCACHE_FUZZ_EXAMPLES=500` runs a longer search.
 """
@@ -229,6 +232,12 @@ class Run:
         assert isinstance(outcome.output, dict), outcome
         text = TIME.sub(when, outcome.output.get("output", "").encode())
         return label, outcome.changed, outcome.error, outcome.output.get("exit_code"), text
+
+
+@pytest.fixture(autouse=True)
+def unscrambled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same inode numbers and `df -i` in every fresh sandbox (see the module docstring)."""
+    monkeypatch.setattr(_isolation, "SCRAMBLE", (1, 1))
 
 
 @pytest.fixture

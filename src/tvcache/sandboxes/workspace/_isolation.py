@@ -54,6 +54,9 @@ log = logging.getLogger("tvcache")
 _BYTES_PER_INODE = 1024
 #: Layers a restore may replay (a full one and deltas on it); the next snapshot copies the upper dirs whole.
 MAX_CHAIN = 16
+#: A new sandbox's tmpfs skips fewer inode numbers than the first, and holds apart fewer files than the second,
+#: each drawn at random (see `_scramble`).
+SCRAMBLE = (1 << 9, 1 << 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +311,9 @@ class LayeredRoot(SandboxRoot):
         """The tmpfs of the (empty) upper and work dirs."""
         scratch, view = self._scratch_mount(), self.space.view
         os.mkdir(view(scratch))
-        self.space.tmpfs(scratch, size=self.iso.disk, inodes=self.iso.inodes)
+        held = secrets.randbelow(SCRAMBLE[1])
+        self.space.tmpfs(scratch, size=self.iso.disk, inodes=_plus(self.iso.inodes, held))
+        _scramble(view(scratch), held)
         for k, mnt in enumerate(self.iso.layout.overlays):
             os.mkdir(view(f"{scratch}/u{k}"))
             os.mkdir(view(f"{scratch}/w{k}"))
@@ -418,6 +423,30 @@ def _like_lower_root(upper: str, lower: str) -> None:
     os.utime(upper, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def _scramble(scratch: str, held: int) -> None:
+    """Start the new tmpfs `scratch`'s inode numbers at a random point, and hold `held` of its inodes apart (links
+    of one file no command sees; its quota of files was raised by as many).
+
+    A restore can give the files neither the inode numbers they had nor `df -i` the count it had: tmpfs numbers
+    files from a counter of its own that no call reads or sets (a file opened with O_TMPFILE and closed, as Python's
+    TemporaryFile does, takes a number and leaves no trace), and overlayfs takes numbers and links of its own in
+    the same filesystem (its work dir at each mount, one whiteout all whiteouts link to, copy-up files) in an order
+    a restore cannot replay. So every sandbox draws them, as Docker's come from a filesystem shared with the
+    machine: an answer that prints them differs between two uncached runs, and is in the exceptions to the
+    correctness invariant (docs/threat-model.md)."""
+    for _ in range(secrets.randbelow(SCRAMBLE[0])):
+        os.close(os.open(scratch, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+    if held:
+        first = os.path.join(scratch, "held")
+        os.close(os.open(first, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        for i in range(1, held):
+            os.link(first, f"{first}.{i}")  # tmpfs counts each link as an inode
+
+
+def _plus(limit: int | None, more: int) -> int | None:
+    return None if limit is None else limit + more
+
+
 def _held(layer: str | None) -> list[str]:
     return [] if layer is None else [layer]
 
@@ -487,11 +516,13 @@ class CopiedRoot(SandboxRoot):
 
         def mount() -> None:
             os.mkdir(self.space.view(self._data))
+            held = secrets.randbelow(SCRAMBLE[1])
             self.space.tmpfs(
                 self._data,
                 size=None if disk is None else snap.size + disk,
-                inodes=None if inodes is None else snap.files + inodes,
+                inodes=None if inodes is None else snap.files + inodes + held,
             )
+            _scramble(self.space.view(self._data), held)
 
         await self.space.run(mount)
         tree = self.space.view(self._tree)

@@ -61,7 +61,10 @@ class _Ops:
         """Mount an overlay on `target`; `lowers` are topmost first."""
         # Layers never get redirect or metacopy xattrs, so a layer is plain files plus whiteouts and opaque
         # dirs (what _layers.merge understands); renaming a lower directory then copies it (EXDEV for mv).
-        options: dict[str, str | None] = {"redirect_dir": "nofollow", "index": "off"}
+        # xino: every entry shows its own layer's inode number (a directory too, where overlayfs would otherwise
+        # number it from a counter of the mount's, in the order directories were looked up: not the same after a
+        # restore); a lower file's is the base's, an upper one's the sandbox's tmpfs's (see _isolation._scramble).
+        options: dict[str, str | None] = {"redirect_dir": "nofollow", "index": "off", "xino": "on"}
         if self.userxattr:
             options["userxattr"] = None
         else:
