@@ -615,10 +615,10 @@ def test_inode_numbers_and_df_i_of_a_workspace_differ_between_uncached_runs(
 ) -> None:
     """Why the inode numbers of what a sandbox made, and `df -i`, are an exception: a restore cannot keep them (its
     copies are numbered anew, overlayfs's whiteouts are links of one inode), so every sandbox's tmpfs starts its
-    numbers at a random point and holds a random number of inodes apart (workspace._isolation._scramble), and three
+    numbers at a random point and holds a random number of inodes apart (workspace._isolation._scramble), and four
     fresh sandboxes that ran the same history print other ones. They printed the same before, and a restore other
     ones: a cached answer that printed them was not one an uncached run gives."""
-    seen = fresh_runs(mode, request, READ_INODES + "; " + READ_DF_I, runs=3)
+    seen = fresh_runs(mode, request, READ_INODES + "; " + READ_DF_I, runs=4)
     numbers = {answer.rsplit("\n", 2)[0] for answer in seen}
     counts = {answer.rsplit("\n", 2)[1] for answer in seen}
     assert len(numbers) > 1, seen

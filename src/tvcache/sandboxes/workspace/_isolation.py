@@ -54,9 +54,9 @@ log = logging.getLogger("tvcache")
 _BYTES_PER_INODE = 1024
 #: Layers a restore may replay (a full one and deltas on it); the next snapshot copies the upper dirs whole.
 MAX_CHAIN = 16
-#: A new sandbox's tmpfs skips fewer inode numbers than the first, and holds apart fewer files than the second,
+#: A new sandbox's tmpfs skips fewer inode numbers than the first, and holds apart fewer inodes than the second,
 #: each drawn at random (see `_scramble`).
-SCRAMBLE = (1 << 9, 1 << 8)
+SCRAMBLE = (1 << 7, 1 << 6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,8 +424,8 @@ def _like_lower_root(upper: str, lower: str) -> None:
 
 
 def _scramble(scratch: str, held: int) -> None:
-    """Start the new tmpfs `scratch`'s inode numbers at a random point, and hold `held` of its inodes apart (links
-    of one file no command sees; its quota of files was raised by as many).
+    """Start the new tmpfs `scratch`'s inode numbers at a random point, and hold `held` of its inodes apart (its
+    quota of files was raised by as many).
 
     A restore can give the files neither the inode numbers they had nor `df -i` the count it had: tmpfs numbers
     files from a counter of its own that no call reads or sets (a file opened with O_TMPFILE and closed, as Python's
@@ -436,11 +436,17 @@ def _scramble(scratch: str, held: int) -> None:
     correctness invariant (docs/threat-model.md)."""
     for _ in range(secrets.randbelow(SCRAMBLE[0])):
         os.close(os.open(scratch, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600))
-    if held:
+    if not held:
+        return
+    try:
+        # tmpfs (Linux 6.6 on) counts an xattr's bytes against its files, a KiB each (with room for its own
+        # bookkeeping): one call where as many links would take as many. On the root, which no command sees.
+        os.setxattr(scratch, "user.tvcache.held", bytes(held * 1024 - 512))
+    except OSError:
         first = os.path.join(scratch, "held")
         os.close(os.open(first, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
         for i in range(1, held):
-            os.link(first, f"{first}.{i}")  # tmpfs counts each link as an inode
+            os.link(first, f"{first}.{i}")  # tmpfs counts each link as a file
 
 
 def _plus(limit: int | None, more: int) -> int | None:
