@@ -19,8 +19,9 @@ folder). Its server (`tvcache_server.py`: Flask's threaded server over its prefi
 says, `python tvcache_server.py`, bound to 127.0.0.1) then runs in the same place under the same raw load, in
 the same run: the same 1,000 entries with 200-byte values (stored with its `PUT /put`), looked up one exact
 history each (`GET /get`). It closes the connection after every answer, so the raw client opens a new one per
-lookup there, as its own client (`requests`) does. Nothing of it is copied into tvcache: it runs from the
-checkout, with Flask from the environment.
+lookup there, as its own client (`requests`) does. At 32 clients, where the ratio is taken, the two servers' runs
+alternate (both are up, the one not under load idle), so that other work on the machine weighs on both alike.
+Nothing of it is copied into tvcache: it runs from the checkout, with Flask from the environment.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -83,16 +85,19 @@ def published_script(path: str | os.PathLike[str]) -> Path:
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection; one request in flight at a time."""
+    """One keep-alive connection; one request in flight at a time. Each answer goes to `answered` (a hit or
+    not), a connection lost before its answer to `failed`."""
 
     def __init__(self) -> None:
         import httptools
 
         self._parser = httptools.HttpResponseParser(self)
-        self._done: asyncio.Future[int] | None = None
         self._size = 0
+        self._waiting = False
         self.transport: asyncio.Transport | None = None
         self.reusable = True  # False once the server said it closes the connection after its answer
+        self.answered: Callable[[bool], None] = _ignore
+        self.failed: Callable[[Exception], None] = _ignore
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
@@ -108,21 +113,88 @@ class _Connection(asyncio.Protocol):
         self._size += len(body)
 
     def on_message_complete(self) -> None:
-        if self._done is not None and not self._done.done():
+        if self._waiting:
+            self._waiting = False
             # A hit carries the entry; a 200 with "{}" would be a miss, which this benchmark must not count.
-            ok = self._parser.get_status_code() == 200 and self._size > len(OUTPUT)
-            self._done.set_result(ok)
+            self.answered(self._parser.get_status_code() == 200 and self._size > len(OUTPUT))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_exception(ConnectionError("the server closed the connection"))
+        if self._waiting:
+            self._waiting = False
+            self.failed(ConnectionError("the server closed the connection"))
+
+    def write(self, payload: bytes) -> None:
+        assert self.transport is not None
+        self._size = 0
+        self._waiting = True
+        self.transport.write(payload)
 
     async def send(self, payload: bytes) -> bool:
-        assert self.transport is not None
-        self._done = asyncio.get_running_loop().create_future()
-        self._size = 0
-        self.transport.write(payload)
-        return bool(await self._done)
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.answered, self.failed = done.set_result, done.set_exception
+        self.write(payload)
+        return await done
+
+
+def _ignore(_: object) -> None:
+    pass
+
+
+class _Client:
+    """One client of the closed loop. It sends its next lookup from the parser's callback for the last answer,
+    with no task or future per lookup: a load generator must cost less per lookup than the server it measures,
+    or it measures itself (with tasks this one cost about as much as tvcache's server)."""
+
+    def __init__(self, host: str, port: int, payloads: list[bytes], first: int, rec: _Recorder):
+        self._host, self._port = host, port
+        self._payloads = payloads
+        self._i = first
+        self._rec = rec
+        self._stop = self._start = 0.0
+        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._conn = _Connection()
+        self._reopening: asyncio.Future[None] | None = None
+
+    async def open(self) -> None:
+        self._conn = await _connect(self._host, self._port)
+        self._conn.answered, self._conn.failed = self._answered, self._failed
+
+    def run(self, stop: float) -> None:
+        self._stop = stop
+        self._send()
+
+    def _send(self) -> None:
+        self._start = time.perf_counter()
+        if self._start >= self._stop:
+            assert self._conn.transport is not None
+            self._conn.transport.close()
+            self.finished.set_result(None)
+        elif self._conn.reusable:
+            self._conn.write(self._payloads[self._i % ENTRIES])
+        else:  # a server that closes after each answer: a new connection, timed
+            self._reopening = asyncio.ensure_future(self._reopen())
+
+    async def _reopen(self) -> None:
+        assert self._conn.transport is not None
+        self._conn.transport.close()
+        try:
+            await self.open()
+        except OSError as exc:
+            self._failed(exc)
+            return
+        self._conn.write(self._payloads[self._i % ENTRIES])
+
+    def _answered(self, hit: bool) -> None:
+        if hit:
+            self._rec.latencies.append(time.perf_counter() - self._start)
+        else:
+            self._rec.failed += 1
+        self._i += 1
+        self._send()
+
+    def _failed(self, exc: Exception) -> None:
+        if not self.finished.done():
+            self.finished.set_exception(exc)
 
 
 def _payloads(host: str, port: int, target: str = "tvcache") -> list[bytes]:
@@ -146,8 +218,14 @@ class _Recorder:
     def __init__(self) -> None:
         self.latencies: list[float] = []
         self.failed = 0
+        self._cpu = 0.0
+
+    def begin(self) -> None:
+        """The load starts now: its own CPU time counts from here (not its start-up or connecting)."""
+        self._cpu = time.process_time()
 
     def summary(self, seconds: float) -> dict[str, float]:
+        cpu = time.process_time() - self._cpu
         lat = sorted(self.latencies)
 
         def pick(q: float) -> float:
@@ -160,6 +238,7 @@ class _Recorder:
             "p50_ms": pick(0.50),
             "p95_ms": pick(0.95),
             "p99_ms": pick(0.99),
+            "load_cpu_us": cpu / max(len(lat) + self.failed, 1) * 1e6,
         }
 
 
@@ -176,29 +255,15 @@ async def _reconnect(old: _Connection, host: str, port: int) -> _Connection:
 async def _raw_closed(host: str, port: int, clients: int, seconds: float, target: str) -> dict[str, float]:
     payloads = _payloads(host, port, target)
     rec = _Recorder()
-    conns = [await _connect(host, port) for _ in range(clients)]
-    stop = time.perf_counter() + seconds
-
-    async def client(k: int, offset: int) -> None:
-        i = offset
-        while time.perf_counter() < stop:
-            t0 = time.perf_counter()
-            if not conns[k].reusable:  # a server that closes after each answer: a new connection, timed
-                conns[k] = await _reconnect(conns[k], host, port)
-            ok = await conns[k].send(payloads[i % ENTRIES])
-            if ok:
-                rec.latencies.append(time.perf_counter() - t0)
-            else:
-                rec.failed += 1
-            i += 1
-
+    load = [_Client(host, port, payloads, k * 31, rec) for k in range(clients)]
+    for client in load:
+        await client.open()
+    rec.begin()
     t0 = time.perf_counter()
-    await asyncio.gather(*(client(k, k * 31) for k in range(clients)))
-    elapsed = time.perf_counter() - t0
-    for c in conns:
-        assert c.transport is not None
-        c.transport.close()
-    return rec.summary(elapsed)
+    for client in load:
+        client.run(t0 + seconds)
+    await asyncio.gather(*(client.finished for client in load))
+    return rec.summary(time.perf_counter() - t0)
 
 
 async def _store_closed(url: str, clients: int, seconds: float) -> dict[str, float]:
@@ -221,6 +286,7 @@ async def _store_closed(url: str, clients: int, seconds: float) -> dict[str, flo
             i += 1
 
     await store.lookup(SCOPE, NODE, _digest(0))  # open the pool
+    rec.begin()
     t0 = time.perf_counter()
     await asyncio.gather(*(client(k * 31) for k in range(clients)))
     elapsed = time.perf_counter() - t0
@@ -259,6 +325,7 @@ async def _open_loop(
             rec.failed += 1
 
     tasks = []
+    rec.begin()
     start = time.perf_counter() + 0.05
     for i in range(int(rate * seconds)):
         due = start + i / rate
@@ -417,24 +484,37 @@ def run(
     console = console or Console()
     rows: list[dict[str, Any]] = []
     script = published_script(published) if published else None
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = _start_server(port)
+    servers = []
     try:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = _start_server(port)
+        servers.append(server)
         asyncio.run(_populate(url))
+        theirs: tuple[subprocess.Popen[bytes], str] | None = None
+        if script is not None:  # up from the start, idle until its turn: the head-to-head alternates the two
+            their_port = free_port()
+            theirs = (_start_server(their_port, published=script), f"http://127.0.0.1:{their_port}")
+            servers.append(theirs[0])
+            _populate_published(theirs[1])
+        head_to_head: dict[str, Any] = {}
         for client in ("raw", "store"):
             for clients in CONCURRENCY:
                 args = ("--client", client, "--clients", str(clients), "--seconds", str(seconds))
-                result = _best(server, url, repeat, *args)
+                if theirs is not None and client == "raw" and clients == CONCURRENCY[-1]:
+                    result, head_to_head = _side_by_side((server, url), theirs, repeat, args)
+                else:
+                    result = _best(server, url, repeat, *args)
                 rows.append({"server": "tvcache", "client": client, "load": f"{clients} clients", **result})
             args = ("--client", client, "--rate", str(PAPER_RATE), "--seconds", str(seconds))
             result = _best(server, url, repeat, *args)
             rows.append({"server": "tvcache", "client": client, "load": f"{PAPER_RATE:.0f}/s open", **result})
+        if theirs is not None:
+            rows += _published_rows(theirs, seconds, repeat, head_to_head)
     finally:
-        server.terminate()
-        server.wait(10)
-    if script is not None:
-        rows += _published_rows(script, seconds, repeat)
+        for started in servers:
+            started.terminate()
+            started.wait(10)
     port = free_port()
     floor = _start_server(port, floor=True)
     try:
@@ -447,7 +527,18 @@ def run(
     table = Table(
         title=f"Lookups over loopback: best of {repeat} runs of {seconds:g} s, server and load on separate cores"
     )
-    for column in ("server", "client", "load", "lookups/s", "p50 ms", "p95 ms", "p99 ms", "server CPU µs", "failed"):
+    for column in (
+        "server",
+        "client",
+        "load",
+        "lookups/s",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "server CPU µs",
+        "load CPU µs",
+        "failed",
+    ):
         table.add_column(column, justify="left" if column in ("server", "client", "load") else "right")
     for row in rows:
         table.add_row(
@@ -459,6 +550,7 @@ def run(
             f"{row['p95_ms']:.2f}",
             f"{row['p99_ms']:.2f}",
             f"{row['server_cpu_us']:.0f}",
+            f"{row['load_cpu_us']:.0f}",
             f"{row['failed']:.0f}",
         )
     console.print(table)
@@ -471,7 +563,8 @@ def run(
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     console.print(
         "raw: a minimal HTTP/1.1 load generator (the server's capacity); HTTPStore: the client rollouts use.\n"
-        "server CPU µs: the server process's CPU time per lookup (includes idle ticks while a load process starts).\n"
+        "server CPU µs: the server process's CPU time per lookup (includes idle ticks while a load process starts); "
+        "load CPU µs: the load process's, while it sends (a load that costs as much as the server measures itself).\n"
         "uvicorn floor: a trivial ASGI app answering the same bytes, the most any app on uvicorn can do.\n"
         f"{os.cpu_count()} CPUs; 1-minute load average at the end: {load:.2f} (other work slows every row)"
     )
@@ -481,23 +574,30 @@ def run(
     return figures | {"published": str(script), "ratio_32_clients": ratio, "cpu_ratio_32_clients": cpu_ratio}
 
 
-def _published_rows(script: Path, seconds: float, repeat: int) -> list[dict[str, Any]]:
-    """The published server under the raw load: 1, 8 and 32 clients, and its operating point."""
+def _side_by_side(
+    ours: tuple[subprocess.Popen[bytes], str], theirs: tuple[subprocess.Popen[bytes], str], repeat: int, args: Any
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The best of `repeat` runs of the raw load `args` on tvcache's server and on the published one,
+    alternated (tvcache, published, tvcache, ...) so that other work on the machine weighs on both alike."""
+    runs = [(_load(*ours, *args), _load(*theirs, *args, "--target", "published")) for _ in range(repeat)]
+    mine, published = zip(*runs, strict=True)
+    return max(mine, key=lambda r: r["per_second"]), max(published, key=lambda r: r["per_second"])
+
+
+def _published_rows(
+    theirs: tuple[subprocess.Popen[bytes], str], seconds: float, repeat: int, head_to_head: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The published server under the raw load: 1, 8 and 32 clients (measured alternately with tvcache's
+    server: `head_to_head`), and its operating point."""
     rows = []
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = _start_server(port, published=script)
-    try:
-        _populate_published(url)
-        target = ("--client", "raw", "--target", "published", "--seconds", str(seconds))
-        for clients in CONCURRENCY:
-            result = _best(server, url, repeat, *target, "--clients", str(clients))
-            rows.append({"server": "published", "client": "raw", "load": f"{clients} clients", **result})
-        result = _best(server, url, repeat, *target, "--rate", str(PAPER_RATE))
-        rows.append({"server": "published", "client": "raw", "load": f"{PAPER_RATE:.0f}/s open", **result})
-    finally:
-        server.terminate()
-        server.wait(10)
+    target = ("--client", "raw", "--target", "published", "--seconds", str(seconds))
+    for clients in CONCURRENCY:
+        result = (
+            head_to_head if clients == CONCURRENCY[-1] else _best(*theirs, repeat, *target, "--clients", str(clients))
+        )
+        rows.append({"server": "published", "client": "raw", "load": f"{clients} clients", **result})
+    result = _best(*theirs, repeat, *target, "--rate", str(PAPER_RATE))
+    rows.append({"server": "published", "client": "raw", "load": f"{PAPER_RATE:.0f}/s open", **result})
     return rows
 
 
