@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import re
 import socket
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -18,7 +20,7 @@ import uvicorn
 
 from server_helpers import Server, free_port, request
 from tvcache.graph import Entry
-from tvcache.server.app import create_app
+from tvcache.server.app import CacheApp, create_app
 from tvcache.server.run import _protocol
 from tvcache.stores.memory import MemoryStore
 
@@ -145,34 +147,68 @@ class WaitingStore(MemoryStore):
         return await super()._get(scope_key, node, digest, hit)
 
 
+@contextlib.asynccontextmanager
+async def serving(store: MemoryStore, keep_alive: float = 75.0) -> AsyncIterator[tuple[CacheApp, int]]:
+    """`store`'s app on uvicorn with the server's connection protocol, in this event loop: its port."""
+    app = create_app(store)
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, http=_protocol(app, 15.0, 100), timeout_keep_alive=keep_alive
+    )
+    served = uvicorn.Server(config)
+    task = asyncio.create_task(served.serve())
+    while not served.started:  # noqa: ASYNC110  (uvicorn has no event for it)
+        await asyncio.sleep(0.01)
+    try:
+        yield app, port
+    finally:
+        served.should_exit = True
+        await task
+
+
+async def ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, digest: bytes) -> bytes:
+    """One lookup on an open connection: the reply's body."""
+    writer.write(b"".join(lookup(digest)))
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length: (\d+)", head)
+    assert length is not None, head
+    return await reader.readexactly(int(length[1]))
+
+
 def test_a_handler_that_has_to_wait_is_finished_once_by_the_general_way() -> None:
     async def main() -> tuple[list[bytes], int, int]:
         store = WaitingStore()
         await store.record(KEY, NODE, b"\x02" * 16, Entry("edge", b"the output", 2.0, "c"), None)
-        app = create_app(store)
-        port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, http=_protocol(app, 15.0, 100), log_level="error")
-        served = uvicorn.Server(config)
-        serving = asyncio.create_task(served.serve())
-        while not served.started:  # noqa: ASYNC110  (uvicorn has no event for it)
-            await asyncio.sleep(0.01)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        answers = []
-        for digest in (b"\x02" * 16, b"\x03" * 16, b"\x02" * 16):
-            writer.write(b"".join(lookup(digest)))
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = re.search(rb"(?im)^content-length: (\d+)", head)
-            assert length is not None, head
-            answers.append(await reader.readexactly(int(length[1])))
-        writer.close()
-        served.should_exit = True
-        await serving
+        async with serving(store) as (app, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            answers = [await ask(reader, writer, digest) for digest in (b"\x02" * 16, b"\x03" * 16, b"\x02" * 16)]
+            writer.close()
         return answers, app.counters.lookups, app.counters.hits
 
     answers, lookups, hits = asyncio.run(main())
     assert [msgspec.json.decode(a).get("entry") is not None for a in answers] == [True, False, True]
     assert msgspec.json.decode(answers[0])["entry"]["output"] == b64(b"the output")
     assert (lookups, hits) == (3, 2)  # each handler ran once, though begun on one way and finished on the other
+
+
+def test_keep_alive_closes_a_connection_idle_since_a_short_answer_and_only_such_a_one() -> None:
+    """The short way's keep-alive deadline is one lazy timer per connection: a connection asked every 0.3 s for
+    twice the keep-alive stays open, and once idle for longer than the keep-alive it is closed."""
+
+    async def main() -> tuple[int, bytes]:
+        async with serving(MemoryStore(), keep_alive=1.0) as (_, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            answered = 0
+            for _ in range(7):
+                await ask(reader, writer, b"\x03" * 16)
+                answered += 1
+                await asyncio.sleep(0.3)
+            closed = await asyncio.wait_for(reader.read(), 30)  # b"" once the server hangs up
+            writer.close()
+        return answered, closed
+
+    answered, closed = asyncio.run(main())
+    assert (answered, closed) == (7, b"")
 
 
 def test_the_short_way_serves_the_memory_store_only(tmp_path: Path) -> None:
