@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,37 @@ def test_a_killed_tracer_fails_the_call_instead_of_answering() -> None:
                 done = await box.execute(bash("pkill -KILL strace; sleep 0.2; cat /testbed/a.txt"))
                 assert done.error and done.reads is None
                 assert "tracer" in done.output["error"]  # type: ignore[index]
+
+    asyncio.run(main())
+
+
+def test_a_traced_command_does_not_wait_for_the_event_loop() -> None:
+    """The tracer writes each system call to a pipe; read on the event loop, a busy loop (a cache digesting another
+    call's reads, parsing a large trace) filled the pipe and stopped the tracer, and with it the traced command:
+    tracing made commands slower under load than their own work, enough to time out a `pip install -e .` halfway
+    (a one-task swe replay then executed 35 answers in a state without the package). The command must finish while
+    the loop is blocked. (Not a timing assertion: with the pipe read on the loop, it never finishes while blocked.)"""
+
+    async def main() -> None:
+        with tree({"a": "A"}) as base:
+            async with factory(base) as boxes:
+                box = await boxes.create()
+                marker = Path(box.root) / "testbed" / "done"
+                heavy = "python3 -c 'import os\nfor _ in range(50000): os.stat(\"/testbed\")' && touch /testbed/done"
+                finished = False
+
+                async def block_the_loop() -> None:
+                    nonlocal finished
+                    await asyncio.sleep(0.5)  # the command has started
+                    waited = 0.0
+                    while not (finished := marker.exists()) and waited < 120:  # the loop stays blocked meanwhile
+                        time.sleep(0.1)  # noqa: ASYNC251 - blocking the loop is the point
+                        waited += 0.1
+
+                blocker = asyncio.create_task(block_the_loop())
+                done = await box.execute(bash(heavy))
+                await blocker
+                assert done.output == {"output": "", "exit_code": 0} and finished
 
     asyncio.run(main())
 

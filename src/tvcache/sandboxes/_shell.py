@@ -29,8 +29,10 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import select
 import signal
 import subprocess
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -258,6 +260,47 @@ class _Reader:
             self.done.set_result(None)
 
 
+class _ThreadReader:
+    """Reads a pipe into a BoundedOutput until EOF in a thread of its own, not on the event loop: the tracer writes
+    every system call of the command to its pipe and stops when the pipe is full, so a reader that waits for a busy
+    event loop (another call's read set being digested, a large trace parsed) would stop the command with it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, sink: BoundedOutput):
+        self.loop, self.fd, self.sink = loop, fd, sink
+        self.done: asyncio.Future[None] = loop.create_future()
+        self._closing = threading.Event()
+        with contextlib.suppress(OSError):  # room for the bursts between two wake-ups of the thread
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
+        threading.Thread(target=self._run, name="tvcache-trace-reader", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            with select.epoll() as poll:
+                poll.register(self.fd, select.EPOLLIN)
+                while not self._closing.is_set():
+                    if not poll.poll(0.5):
+                        continue  # looks at `close()` now and then: a writer may hold the pipe open for good
+                    data = os.read(self.fd, 1 << 20)
+                    if not data:
+                        break
+                    self.sink.feed(data)
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                self.loop.call_soon_threadsafe(self._finish)
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def close(self) -> None:
+        """Stop reading (the thread ends within half a second, closing the pipe); done at once."""
+        self._closing.set()
+        self._finish()
+
+
 def end_namespace(proc: subprocess.Popen[bytes]) -> None:
     """Kill the jail `proc` and the PID 1 of its PID namespace, which takes everything in the namespace with it.
 
@@ -367,10 +410,10 @@ async def run_bash(
             os.close(fd)
     output = BoundedOutput(max_output)
     dump = BoundedOutput(1 << 26)
-    readers = [_Reader(loop, out_r, output), _Reader(loop, state_r, dump)]
+    readers: list[_Reader | _ThreadReader] = [_Reader(loop, out_r, output), _Reader(loop, state_r, dump)]
     trace = BoundedOutput(trace_limit)
     if trace_r is not None:
-        readers.append(_Reader(loop, trace_r, trace))
+        readers.append(_ThreadReader(loop, trace_r, trace))
     exited = _wait_exit(loop, proc)
     everything = asyncio.gather(*(r.done for r in readers), exited)
     timed_out = False
