@@ -254,9 +254,9 @@ def test_a_killed_tracer_fails_the_call_instead_of_answering() -> None:
 def test_a_traced_command_does_not_wait_for_the_event_loop() -> None:
     """The tracer writes each system call to a pipe; read on the event loop, a busy loop (a cache digesting another
     call's reads, parsing a large trace) filled the pipe and stopped the tracer, and with it the traced command:
-    tracing made commands slower under load than their own work, enough to time out a `pip install -e .` halfway
-    (a one-task swe replay then executed 35 answers in a state without the package). The command must finish while
-    the loop is blocked. (Not a timing assertion: with the pipe read on the loop, it never finishes while blocked.)"""
+    tracing made commands slower under load than their own work, enough to run pytest into its 60 s timeout in a
+    one-task swe replay (and a `pip install -e .` killed halfway leaves the package uninstalled). The command must
+    finish while the loop is blocked. (Not a timing assertion: with the pipe read on the loop, it cannot.)"""
 
     async def main() -> None:
         with tree({"a": "A"}) as base:
