@@ -217,3 +217,16 @@ def test_the_short_way_serves_the_memory_store_only(tmp_path: Path) -> None:
     from tvcache.stores.sqlite import SQLiteStore
 
     assert not create_app(SQLiteStore(str(tmp_path / "c.db"))).eager
+
+
+def test_with_access_logs_on_every_lookup_is_logged(tmp_path: Path) -> None:
+    """`--access-log` logs each request from uvicorn's request cycle: a lookup that comes whole takes it too."""
+    with Server(tmp_path, "memory://", None, "--access-log") as logged:
+        with socket.create_connection((logged.host, logged.port), timeout=30) as sock:
+            for _ in range(3):
+                sock.sendall(b"".join(lookup(b"\x03" * 16)))
+                responses(sock, 1)
+        deadline = time.monotonic() + 10
+        while logged.log().count("POST /v1/lookup") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert logged.log().count("POST /v1/lookup") == 3, logged.log()[-2000:]

@@ -174,7 +174,8 @@ def _protocol(app: JSONApi, read_timeout: float, cap: int) -> type[asyncio.Proto
     being answered, is served by `app.start` as soon as it is parsed, and its answer written in one piece:
     no task, no ASGI request cycle (half of a lookup's time in the server). Anything else, and any request
     `start` declines (refusals are the general path's), takes the general path, uvicorn's ASGI cycle; a
-    handler that has to wait is handed to it.
+    handler that has to wait is handed to it. With access logs on (`--access-log`) every request takes it: the
+    cycle writes them.
 
     uvicorn times out idle keep-alive connections, but not a connection that never sends a byte, sends its
     request line and headers a byte at a time, or trickles a body nobody reads: each would hold a connection
@@ -277,6 +278,7 @@ def _protocol(app: JSONApi, read_timeout: float, cap: int) -> type[asyncio.Proto
                 and not self.parser.should_upgrade()
                 and (self.cycle is None or self.cycle.response_complete)  # else answers must wait their turn
                 and not self.flow.write_paused
+                and not self.access_log  # (uvicorn's request cycle writes it)
             )
 
         def on_body(self, body: bytes) -> None:
