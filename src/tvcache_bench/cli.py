@@ -357,7 +357,7 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # sql's strategies take turns by strategy: its SQLite snapshots copy whole databases (373 MB for TPC-H), too
     # many to hold every strategy's at once in tmpfs.
     "sql": {"tasks": 40, "epochs": 1, "rollouts": 8, "seed": 0, "no_tpch": False, "turns": "strategy"},
-    "swe": {"tasks": None, "epochs": 1, "timeout": 60.0, "no_warmup": False, "turns": "step"},
+    "swe": {"tasks": None, "epochs": 1, "timeout": 60.0, "no_warmup": False, "turns": "step", "read_sets": False},
     "terminal": {"tasks": None, "epochs": 2, "timeout": 60.0, "no_warmup": False, "turns": "step"},
     "airline": {"tasks": None, "epochs": 1, "latency": 0.05, "turns": "step"},
     "video": {"tasks": None, "epochs": 1, "rollouts": 8, "seed": 0, "turns": "step"},
@@ -407,6 +407,12 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout", type=_positive_float, metavar="S", help="(swe, terminal) seconds a command may run (default 60)"
+    )
+    parser.add_argument(
+        "--read-sets",
+        action="store_true",
+        default=None,
+        help="(swe) trace every command's reads in the workspace sandboxes (read_sets=True), for every strategy alike",
     )
     parser.add_argument(
         "--no-warmup",
@@ -522,7 +528,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from .workloads import swe
 
     def build_swe() -> Workload:
-        return swe.build_workload(o["tasks"], timeout=o["timeout"], log=_say)
+        return swe.build_workload(o["tasks"], timeout=o["timeout"], log=_say, read_sets=o["read_sets"])
 
     # The first pass of workspace sandboxes in a process ran 12-14% slower than identical later ones here
     # (measured with three uncached passes in a row), which would count as speedup for every cached strategy:
