@@ -99,9 +99,9 @@ class Writes:
         if writes is None:
             self.known = None
             return
-        gone = {_path(key) for key in writes if key.startswith(BELOW)}
+        gone = tuple(_path(key).rstrip("/") + "/" for key in writes if key.startswith(BELOW))
         if gone:
-            for old in [k for k in self.known if k not in writes and _below(_path(k), gone)]:
+            for old in [k for k in self.known if k.partition(":")[2].startswith(gone) and k not in writes]:
                 del self.known[old]
         self.known.update(writes)
 
@@ -142,17 +142,6 @@ def digest_in(key: str, state: Mapping[str, str], starting: Mapping[str, str]) -
 
 def _path(key: str) -> str:
     return key.partition(":")[2]
-
-
-def _below(path: str, dirs: Collection[str]) -> bool:
-    """Is the absolute `path` strictly below one of `dirs`?"""
-    if not path.startswith("/"):
-        return False
-    while path != "/":
-        path = posixpath.dirname(path)
-        if path in dirs:
-            return True
-    return False
 
 
 def _cleared(key: str, state: Mapping[str, str]) -> bool:
