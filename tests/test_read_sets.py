@@ -34,7 +34,7 @@ from test_oracle import NaiveCache
 from test_workspace import usable
 from tvcache import ToolCall
 from tvcache.reads import Writes, digest_in
-from tvcache.sandboxes.workspace import WorkspaceSandboxes, _reads
+from tvcache.sandboxes.workspace import WorkspaceSandboxes, _ebpf, _reads
 from tvcache.sandboxes.workspace._changes import MAX_ENTRIES
 
 EXAMPLES = int(os.environ.get("TVCACHE_FUZZ_EXAMPLES", "12"))
@@ -71,8 +71,20 @@ def tree(files: dict[str, str], links: dict[str, str] | None = None) -> Iterator
         shutil.rmtree(path, ignore_errors=True)
 
 
-def factory(base: Path) -> WorkspaceSandboxes:
-    return WorkspaceSandboxes(base, isolation=mode(), read_sets=True)  # type: ignore[arg-type]
+#: Both tracers where the eBPF one can run (bpftrace installed, tracefs mounted, root).
+TRACERS = ["strace", pytest.param("ebpf", marks=pytest.mark.skipif(_ebpf.available() is None, reason="no bpftrace"))]
+
+
+def factory(base: Path, tracer: str = "strace") -> WorkspaceSandboxes:
+    boxes = WorkspaceSandboxes(base, isolation=mode(), read_sets=True)  # type: ignore[arg-type]
+    boxes._use_ebpf = tracer == "ebpf"
+    return boxes
+
+
+async def uses(boxes: WorkspaceSandboxes, tracer: str) -> None:
+    """Check that the factory traces with `tracer` (a test of one tracer must not silently test the other)."""
+    await boxes._initial_snapshot()
+    assert (boxes._ebpf is not None, boxes._tracer is not None) == (tracer == "ebpf", tracer == "strace")
 
 
 def bash(command: str) -> ToolCall:
@@ -139,10 +151,12 @@ def test_the_trace_parser_refuses_what_it_cannot_place() -> None:
     assert sock.hazard is not None and "connection" in sock.hazard
 
 
-def test_a_read_records_contents_absent_probes_listings_and_symlinks() -> None:
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_a_read_records_contents_absent_probes_listings_and_symlinks(tracer: str) -> None:
     async def main() -> None:
         with tree({"a.txt": "A\n", "b.txt": "B\n", "d/x": "x"}, {"l": "a.txt"}) as base:
-            async with factory(base) as boxes:
+            async with factory(base, tracer) as boxes:
+                await uses(boxes, tracer)
                 box = await boxes.create()
                 done = await box.execute(bash("cat /testbed/l; test -e /testbed/nope || echo none; ls /testbed/d"))
                 assert done.output == {"output": "A\nnone\nx\n", "exit_code": 0}
@@ -198,12 +212,14 @@ def test_a_listing_is_in_the_directorys_own_order() -> None:
         "echo hi > /testbed/new; cat /testbed/new",  # a file written and read by the same command
         "mkdir /testbed/dir",  # any write
         "python3 -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 0))'",  # a socket
+        "df /testbed >/dev/null",  # free space (statfs)
     ],
 )
-def test_hazards_give_no_read_set(command: str) -> None:
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_hazards_give_no_read_set(command: str, tracer: str) -> None:
     async def main() -> None:
         with tree({"a.txt": "A\n"}) as base:
-            async with factory(base) as boxes:
+            async with factory(base, tracer) as boxes:
                 box = await boxes.create()
                 done = await box.execute(bash(command))
                 assert not done.error, done.output
@@ -488,12 +504,15 @@ def composed_over(starting: dict[str, str], written: dict[str, str]) -> dict[str
     return {k: digest_in(k, written, starting) or "" for k in starting}
 
 
-def check(files: dict[str, str], links: dict[str, str], before: list[str], reader: str, steps: list[str]) -> None:
+def check(
+    files: dict[str, str], links: dict[str, str], before: list[str], reader: str, steps: list[str], tracer: str
+) -> None:
     """S1: the base after `before`, where `reader` runs traced; S2: the base after `steps`."""
 
     async def main() -> None:
         with tree(files, links) as base:
-            async with factory(base) as boxes:
+            async with factory(base, tracer) as boxes:
+                await uses(boxes, tracer)
                 box1 = await boxes.create()
                 written1 = await run_steps(box1, before)
                 first = await box1.execute(bash(reader))
@@ -519,7 +538,10 @@ def check(files: dict[str, str], links: dict[str, str], before: list[str], reade
     asyncio.run(main())
 
 
-def test_read_sets_are_complete_and_write_sets_compose() -> None:
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_read_sets_are_complete_and_write_sets_compose(tracer: str) -> None:
+    counts.update(checked=0, matched=0, naive_wrong=0)
+
     @settings(
         max_examples=EXAMPLES,
         derandomize=True,
@@ -528,7 +550,7 @@ def test_read_sets_are_complete_and_write_sets_compose() -> None:
     )
     @given(workloads())
     def property_holds(workload: Workload) -> None:
-        check(*workload)
+        check(*workload, tracer)
 
     property_holds()
     # Not vacuous: some examples matched (a read-set hit), and the naive cache was wrong on some.
@@ -582,14 +604,15 @@ async def e2e_wrong(cache: Any, boxes: WorkspaceSandboxes, plan: list[list[str]]
     return wrong
 
 
-def test_the_cache_reuses_by_read_sets_and_every_answer_equals_the_uncached_history() -> None:
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_the_cache_reuses_by_read_sets_and_every_answer_equals_the_uncached_history(tracer: str) -> None:
     rng = random.Random(24)
     shared = [e2e_command(rng) for _ in range(3)]
     plan = [shared[: rng.randrange(4)] + [e2e_command(rng) for _ in range(6)] for _ in range(8)]
 
     async def main() -> tuple[int, int, dict[str, Any]]:
         with tree(E2E_FILES) as base:
-            async with factory(base) as boxes:
+            async with factory(base, tracer) as boxes:
                 want = await uncached(boxes, plan)
                 async with tvcache.ToolCache(snapshot_budget=2) as cache:
                     wrong = await e2e_wrong(cache, boxes, plan, want)

@@ -358,6 +358,7 @@ async def run_bash(
     kill: Callable[[], None] | None = None,
     tracer: Callable[[int], Sequence[str]] | None = None,
     trace_limit: int = 1 << 26,
+    mark: bool = False,
 ) -> CommandResult:
     """Run `command` as described in the module docstring and return its output, exit code and new state.
 
@@ -368,7 +369,8 @@ async def run_bash(
     sandbox's namespaces), by default a plain Popen. On a timeout the command's PID namespace is torn down (see
     `end_namespace`) and `kill()` (the sandbox's cgroup kill) ends whatever else the command started.
     `tracer(fd)` is the argv of a tracer that writes to descriptor `fd` and runs the shell after it (see
-    workspace._reads); what it writes, up to `trace_limit` bytes, comes back as the result's `trace`.
+    workspace._reads); what it writes, up to `trace_limit` bytes, comes back as the result's `trace`. `mark`: run
+    `TRACE_MARK` before the command although no tracer is given here (the eBPF tracer watches from outside).
     """
     loop = asyncio.get_running_loop()
     script = command.encode(errors="surrogateescape")
@@ -389,8 +391,8 @@ async def run_bash(
         trace_r, trace_w = os.pipe()
         trace_w = _high_fd(trace_w, TRACE_FD)
         shell = tracer(trace_w)
-    mark = b"" if tracer is None else TRACE_MARK
-    script = _prelude(state, cgroup_fds, state_w, trace_w) + state_script(state, script, mark)
+    marker = TRACE_MARK if tracer is not None or mark else b""
+    script = _prelude(state, cgroup_fds, state_w, trace_w) + state_script(state, script, marker)
     argv: list[str | bytes] = [*jail, *shell, "--noprofile", "--norc", "-c", script]
     fds = (state_w, *cgroup_fds, *pass_fds, *([] if trace_w is None else [trace_w]))
     popen: dict[str, Any] = dict(

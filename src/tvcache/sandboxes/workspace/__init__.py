@@ -79,7 +79,7 @@ from .._layers import listing_digest
 from .._shell import CommandResult, ShellState, run_bash, unfinished
 from ..base import Outcome, SandboxError
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
-from . import _isolation, _reads, _writes
+from . import _ebpf, _isolation, _reads, _writes
 from ._cgroups import Cgroups, SandboxCgroup
 from ._changes import Batch, Watcher
 from ._isolation import Snapshot
@@ -225,6 +225,9 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
     logged once.
     """
 
+    #: Trace reads with eBPF where it works (see _ebpf), else with strace; the benchmark turns it off to compare.
+    _use_ebpf = True
+
     kind = "ws"
 
     def __init__(
@@ -320,6 +323,8 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         self.read_sets = read_sets
         #: strace and bash inside the sandbox root, found on first use when read_sets is on (None: untraced).
         self._tracer: tuple[str, str] | None = None
+        #: The eBPF tracer, used instead of strace where it works (see _ebpf).
+        self._ebpf: _ebpf.Bpftrace | None = None
         self._digest_cache: dict[tuple[int, ...], str] = {}
         self._base_box: WorkspaceSandbox | None = None
         self._base_lock = asyncio.Lock()
@@ -411,8 +416,18 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
             return self._initial
 
     async def _probe_tracer(self, box: WorkspaceSandbox) -> tuple[str, str] | None:
-        """strace and bash in the sandbox's root, if a traced command works there; else None, listed in
-        `degraded` and logged once."""
+        """The eBPF tracer if it works here (then None), else strace and bash in the sandbox's root, if a traced
+        command works there; else None, listed in `degraded` and logged once."""
+        bpftrace = _ebpf.available() if self._use_ebpf else None
+        core = box._cgroup.core if box._cgroup is not None else None
+        if bpftrace is not None and core is not None:
+            try:
+                self._ebpf = await asyncio.to_thread(_ebpf.shared, bpftrace, str(core.parent.parent))
+                if (await box.execute(ToolCall("bash", {"command": ":"}))).reads is not None:
+                    return None
+            except OSError as exc:
+                log.debug("no eBPF tracer: %s", exc)
+            self._ebpf = None
         found = await asyncio.to_thread(_reads.find_strace, box.root)
         why = "no strace in the sandbox's root (apt-get install strace)"
         if found is not None:
@@ -503,11 +518,11 @@ class WorkspaceSandbox(ManagedSandbox):
         ctx = self._ctx
         found = self._factory._tracer
         tracer = None if found is None else (lambda fd: _reads.strace_argv(*found, fd))
+        mark = tracer is not None or self._factory._ebpf is not None
         # Made on first use (about a millisecond each): a fork that only serves file tools never needs them.
         if not ctx.network and self._netns is None:
             self._netns = ctx.mounter.new_netns()
-        if self._cgroup is None:
-            self._cgroup = ctx.cgroups.sandbox(f"{self._fs.box.name}", memory=ctx.memory, processes=ctx.max_processes)
+        self._made_cgroup()
         seccomp = [] if ctx.seccomp_fd is None else [os.open(f"/proc/self/fd/{ctx.seccomp_fd}", os.O_RDONLY)]
         space = self._fs.space
         return await run_bash(
@@ -522,7 +537,14 @@ class WorkspaceSandbox(ManagedSandbox):
             spawn=lambda argv, **popen: space.spawn(argv, self._netns, **popen),
             kill=self._cgroup.kill if self._cgroup else None,
             tracer=tracer,
+            mark=mark,
         )
+
+    def _made_cgroup(self) -> SandboxCgroup | None:
+        if self._cgroup is None:
+            ctx = self._ctx
+            self._cgroup = ctx.cgroups.sandbox(f"{self._fs.box.name}", memory=ctx.memory, processes=ctx.max_processes)
+        return self._cgroup
 
     async def execute(self, call: ToolCall) -> Outcome:
         tool, args = call.tool, fast.checked_args(call, "workspace")
@@ -534,8 +556,13 @@ class WorkspaceSandbox(ManagedSandbox):
             failure = None
             trace: bytes | None = None
             tail = b""
+            events: tuple[list[_ebpf.Event], str | None] | None = None
             if tool == "bash":
                 hits = self._cgroup.hits() if self._cgroup else (0, 0)
+                ebpf = self._factory._ebpf
+                cgroup = self._made_cgroup() if ebpf is not None else None  # made first, to watch the command
+                group = os.stat(cgroup.core).st_ino if ebpf and cgroup and cgroup.core else None
+                lost = ebpf.begin(group) if ebpf is not None and group is not None else 0
                 try:
                     result = await self._run(args["command"])
                 except OSError as exc:  # the machinery failed (e.g. a missing binary): not the command
@@ -549,6 +576,8 @@ class WorkspaceSandbox(ManagedSandbox):
                 state = result.state
                 failure = self._limit_hit(hits)
                 trace, tail = result.trace, result.trace_tail
+                if ebpf is not None and group is not None:
+                    events = await asyncio.to_thread(ebpf.collect, group, lost)
             elif tool == "read_file":
                 output = fast.read_file(root, state.cwd, args["path"], self._ctx.max_output)
             elif tool == "write_file":
@@ -565,7 +594,7 @@ class WorkspaceSandbox(ManagedSandbox):
                 return Outcome({**output, "error": failure}, changed, True)
             if not self._factory.read_sets:
                 return Outcome(output, changed)
-            return await self._observed(call, output, changed, files_changed, recent, before, trace, tail)
+            return await self._observed(call, output, changed, files_changed, recent, before, trace, tail, events)
 
     async def _observed(
         self,
@@ -577,13 +606,19 @@ class WorkspaceSandbox(ManagedSandbox):
         before: ShellState,
         trace: bytes | None,
         tail: bytes,
+        events: tuple[list[_ebpf.Event], str | None] | None = None,
     ) -> Outcome:
         """The outcome with its read set (see _reads) and, for a state-changing call, its write set (see _writes)
         from `recent`, the kernel's account of what it changed (None: none kept)."""
         reads: dict[str, str] | None = None
         root, cache = self.root, self._factory._digest_cache
         path = call.args.get("path", "") if isinstance(call.args, dict) else ""
-        if call.tool == "bash" and self._factory._tracer is not None:
+        if call.tool == "bash" and self._factory._ebpf is not None:
+            if events is not None and not files_changed:
+                reads, why = await _digests(_ebpf.read_set, *events, root, cache)
+                if why:
+                    log.debug("no read set for %r: %s", call.key[:200], why)
+        elif call.tool == "bash" and self._factory._tracer is not None:
             parsed = None if trace is None else await asyncio.to_thread(_reads.parse_trace, trace)
             if not (parsed.complete if parsed is not None else _reads.shell_ended(tail)):
                 # The tracer died before the shell (killed by the command?): traced system calls after its death

@@ -1,0 +1,451 @@
+"""Reads of bash commands traced with eBPF (bpftrace), without stopping the traced processes (prototype).
+
+One bpftrace process per factory watches every process whose cgroup v2 group is a child of the factory's run
+group (each sandbox's own group, see _cgroups): system call tracepoints, no ptrace stops, so the command runs at
+nearly its untraced speed. Each traced call prints the path it named (read at the call's exit, when the kernel has
+copied it in), its directory file descriptor, flags and result, and as kernel identities (mount, dentry) the
+directory a relative path starts from (the descriptor's file or the working directory), the file an open made, and
+the process's root. Identities become paths here: a directory a command uses was opened (or entered) by a traced
+call of the same command, whose path is known; an identity never seen (a descriptor from elsewhere) makes the trace
+unusable. Events come out of one buffer per CPU; after a command, a marker call on every CPU says each buffer has
+been read past the command's end. A lost event (a full buffer) makes every read set of the time window None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import shutil
+import subprocess
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..reclaim import owner_name
+from . import _reads
+from ._reads import EXEC, FOLLOW, LIST, MARK, NOFOLLOW, WALK, Digester, Trace
+
+__all__ = ["Bpftrace", "Event", "available", "program", "shared", "to_trace"]
+
+#: name: (directory fd argument or None, path argument, flags argument or None), as the tracepoints name them.
+_PATH_CALLS: dict[str, tuple[str | None, str, str | None]] = {
+    "open": (None, "filename", "flags"),
+    "openat": ("dfd", "filename", "flags"),
+    "creat": (None, "pathname", None),
+    "newstat": (None, "filename", None),
+    "newlstat": (None, "filename", None),
+    "newfstatat": ("dfd", "filename", "flag"),
+    "statx": ("dfd", "filename", "flags"),
+    "access": (None, "filename", None),
+    "faccessat": ("dfd", "filename", None),
+    "faccessat2": ("dfd", "filename", "flags"),
+    "readlink": (None, "path", None),
+    "readlinkat": ("dfd", "pathname", None),
+    "chdir": (None, "filename", None),
+    "execveat": ("fd", "filename", "flags"),
+    "getxattr": (None, "pathname", None),
+    "lgetxattr": (None, "pathname", None),
+    "listxattr": (None, "pathname", None),
+    "llistxattr": (None, "pathname", None),
+    "mkdir": (None, "pathname", None),
+    "mkdirat": ("dfd", "pathname", None),
+    "rmdir": (None, "pathname", None),
+    "unlink": (None, "pathname", None),
+    "unlinkat": ("dfd", "pathname", "flag"),
+    "rename": (None, "oldname", None),
+    "renameat": ("olddfd", "oldname", None),
+    "renameat2": ("olddfd", "oldname", "flags"),
+    "link": (None, "oldname", None),
+    "linkat": ("olddfd", "oldname", "flags"),
+    "symlink": (None, "newname", None),
+    "symlinkat": ("newdfd", "newname", None),
+    "chmod": (None, "filename", None),
+    "fchmodat": ("dfd", "filename", None),
+    "chown": (None, "filename", None),
+    "lchown": (None, "filename", None),
+    "fchownat": ("dfd", "filename", "flag"),
+    "utime": (None, "filename", None),
+    "utimes": (None, "filename", None),
+    "utimensat": ("dfd", "filename", "flags"),
+    "futimesat": ("dfd", "filename", None),
+    "mknod": (None, "filename", None),
+    "mknodat": ("dfd", "filename", None),
+    "truncate": (None, "path", None),
+    "setxattr": (None, "pathname", None),
+    "lsetxattr": (None, "pathname", None),
+    "removexattr": (None, "pathname", None),
+    "lremovexattr": (None, "pathname", None),
+    "statfs": (None, "pathname", None),
+}
+_FD_CALLS = ("getdents64", "getdents", "fchdir")
+#: Calls whose success (statfs: any) the file digests cannot describe, or that escape the path model here.
+_HAZARDS = ["openat2", "bind", "name_to_handle_at", "open_by_handle_at", "inotify_add_watch", "fanotify_mark", "mount", "umount", "pivot_root", "chroot", "io_uring_setup", "open_tree", "move_mount", "fsopen", "pidfd_getfd", "quotactl", "swapon", "acct"]
+_WRITES = frozenset(
+    ["creat", "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2", "link", "linkat", "symlink", "symlinkat", "chmod", "fchmodat", "chown", "lchown", "fchownat", "utime", "utimes", "utimensat", "futimesat", "mknod", "mknodat", "truncate", "setxattr", "lsetxattr", "removexattr", "lremovexattr"]
+)
+_NOFOLLOW_CALLS = frozenset({"newlstat", "readlink", "readlinkat", "lgetxattr", "llistxattr"})
+_O_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
+_O_TMPFILE = 0o20000000
+_AT_SYMLINK_NOFOLLOW = 0x100
+_AT_EMPTY_PATH = 0x1000
+_AT_FDCWD = -100
+#: bpftrace's longest string (BPFTRACE_STRLEN); a path this long or longer may have been cut.
+STRLEN = 200
+#: The marker call: getpgid of an impossible process id, -token.
+_SYNC_CALL = "getpgid"
+
+
+def program(runs: str) -> str:
+    """The bpftrace program, tracing the processes in the sandbox groups of this process's factories: cgroup v2
+    groups two levels below the shared group whose id is $1, in a run group whose name starts with `runs`
+    (see _rundir). $2 is this process's pid, whose `getpgid` calls of negative ids are the sync markers."""
+    group = "curtask->cgroups->dfl_cgrp->kn->__parent"
+    only = f'/{group}->__parent->id == $1 && strncmp(str({group}->name), "{runs}", {len(runs)}) == 0/'
+    fd_file = "(*(curtask->files->fdt->fd + {fd}))"
+    pwd = "$bm = (uint64)curtask->fs->pwd.mnt; $bd = (uint64)curtask->fs->pwd.dentry;"
+    root = "(uint64)curtask->fs->root.mnt, (uint64)curtask->fs->root.dentry"
+    head = 'printf("E\\t%llu\\t%d\\t%llu\\t{name}\\t%d\\t%d\\t%d\\t%llx:%llx\\t%llx:%llx\\t%llx:%llx\\n", nsecs, tid, cgroup, '
+    zero = "$bm = (uint64)0; $bd = (uint64)0; $rm = (uint64)0; $rd = (uint64)0;"
+
+    def of_fd(fd: str, m: str, d: str) -> str:
+        f = fd_file.format(fd=fd)
+        return (
+            f"if ({fd} >= 0 && {fd} < (int64)curtask->files->fdt->max_fds) "
+            f"{{ {m} = (uint64){f}->f_path.mnt; {d} = (uint64){f}->f_path.dentry; }}"
+        )
+
+    out = ['BEGIN { printf("READY\\n"); }']
+    for name, (dfd, path, flags) in _PATH_CALLS.items():
+        save = f"@p[tid] = (uint64)args->{path}; @f[tid] = (int64){'args->' + flags if flags else 0};"
+        base = pwd
+        if dfd:
+            save += f" @d[tid] = (int64)(int32)args->{dfd};"
+            base = (
+                f"$dfd = (int64)@d[tid]; if ($dfd == {_AT_FDCWD}) {{ {pwd} }} else {{ {of_fd('$dfd', '$bm', '$bd')} }}"
+            )
+        made = ""
+        if name in ("open", "openat", "creat"):
+            made = of_fd("$r", "$rm", "$rd")
+        elif name == "chdir":
+            made = "if ($r == 0) { $rm = (uint64)curtask->fs->pwd.mnt; $rd = (uint64)curtask->fs->pwd.dentry; }"
+        out.append(f"tracepoint:syscalls:sys_enter_{name} {only} {{ {save} }}")
+        out.append(
+            f"tracepoint:syscalls:sys_exit_{name} {only} {{ $r = (int64)args->ret; {zero} {base} {made} "
+            + head.format(name=name)
+            + f"$r, {'$dfd' if dfd else _AT_FDCWD}, @f[tid], $bm, $bd, $rm, $rd, {root}); "
+            + 'printf("S\\t%s\\n", str(@p[tid])); delete(@p[tid]); delete(@f[tid]);'
+            + (" delete(@d[tid]);" if dfd else "")
+            + " }"
+        )
+    # execve: the name is read on entry (the old memory is gone at the exit), its result follows.
+    out.append(
+        f"tracepoint:syscalls:sys_enter_execve {only} {{ {zero} {pwd} "
+        + head.format(name="execve")
+        + f'0, {_AT_FDCWD}, 0, $bm, $bd, $rm, $rd, {root}); printf("S\\t%s\\n", str(args->filename)); }}'
+    )
+    for name in _FD_CALLS:
+        made = "$rm = (uint64)curtask->fs->pwd.mnt; $rd = (uint64)curtask->fs->pwd.dentry;" if name == "fchdir" else ""
+        out.append(f"tracepoint:syscalls:sys_enter_{name} {only} {{ @d[tid] = (int64)args->fd; }}")
+        out.append(
+            f"tracepoint:syscalls:sys_exit_{name} {only} {{ $r = (int64)args->ret; {zero} $dfd = (int64)@d[tid]; "
+            f"{of_fd('$dfd', '$bm', '$bd')} {made} "
+            + head.format(name=name)
+            + f'$r, $dfd, 0, $bm, $bd, $rm, $rd, {root}); printf("S\\t\\n"); delete(@d[tid]); }}'
+        )
+    for name in _HAZARDS:
+        out.append(
+            f"tracepoint:syscalls:sys_exit_{name} {only} "
+            f'{{ printf("H\\t%llu\\t%d\\t%llu\\t{name}\\t%d\\n", nsecs, tid, cgroup, args->ret); }}'
+        )
+    # connect: a failed connection to a Unix socket's path probes that path; any other connection is a hazard.
+    out.append(f"tracepoint:syscalls:sys_enter_connect {only} {{ @p[tid] = (uint64)args->uservaddr; }}")
+    out.append(
+        f"tracepoint:syscalls:sys_exit_connect {only} {{ $a = (uint8 *)@p[tid]; {pwd} "
+        'printf("C\\t%llu\\t%d\\t%llu\\tconnect\\t%d\\t%d\\t%llx:%llx\\n", nsecs, tid, cgroup, args->ret, '
+        '*(uint16 *)uptr($a), $bm, $bd); printf("S\\t%s\\n", str(uptr($a + 2))); delete(@p[tid]); }'
+    )
+    out.append(
+        f"tracepoint:syscalls:sys_enter_{_SYNC_CALL} /pid == $2 && (int32)args->pid < 0/ "
+        '{ printf("Y\\t%d\\t%d\\n", cpu, -(int32)args->pid); }'
+    )
+    return "\n".join(out) + "\n"
+
+
+@dataclass(slots=True)
+class Event:
+    ns: int
+    tid: int
+    name: str
+    result: int
+    dirfd: int
+    flags: int
+    base: str
+    made: str = ""
+    root: str = ""
+    path: bytes = b""
+
+
+@dataclass
+class _Group:
+    """What was seen of one sandbox group's command, which began at `since` (CLOCK_MONOTONIC, as bpftrace's nsecs)."""
+
+    since: int
+    events: list[Event] = field(default_factory=list)
+    hazard: str | None = None
+
+
+def available() -> str | None:
+    """bpftrace's path, if it is installed and the kernel's tracepoints are visible (tracefs mounted)."""
+    found = shutil.which("bpftrace")
+    return found if found is not None and os.path.isdir(_TRACEFS) else None
+
+
+_TRACEFS = "/sys/kernel/tracing/events/syscalls"
+_shared: dict[str, Bpftrace] = {}
+_shared_lock = threading.Lock()
+
+
+def shared(bpftrace: str, shared_group: str) -> Bpftrace:
+    """This process's tracer of its sandboxes below `shared_group` (cgroup v2), started on first use (it takes
+    seconds: bpftrace compiles and attaches about 120 programs) and kept for the process's life."""
+    with _shared_lock:
+        tracer = _shared.get(shared_group)
+        if tracer is None or tracer.ended:
+            tracer = _shared[shared_group] = Bpftrace(bpftrace, shared_group)
+        return tracer
+
+
+class Bpftrace:
+    """One bpftrace process watching this process's sandboxes: cgroup v2 groups `shared_group`/run-.../box."""
+
+    def __init__(self, bpftrace: str, shared_group: str):
+        self._cpus = sorted(os.sched_getaffinity(0))
+        env = {**os.environ, "BPFTRACE_STRLEN": str(STRLEN), "BPFTRACE_PERF_RB_PAGES": "1024"}
+        runs = f"run-{owner_name()}-"
+        self._proc = subprocess.Popen(
+            [bpftrace, "-f", "json", "-B", "none", "-e", program(runs), str(os.stat(shared_group).st_ino),
+             str(os.getpid())],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )  # fmt: skip
+        self._lock = threading.Condition()
+        self._groups: dict[int, _Group] = {}
+        self._synced: dict[int, int] = defaultdict(int)
+        self._lost = 0
+        self._token = 0
+        self._ready = False
+        self._ended = False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        with self._lock:
+            self._lock.wait_for(lambda: self._ready or self._ended, timeout=300)
+        if not self._ready:
+            self.close()
+            raise OSError("bpftrace did not start")
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        pending: tuple[int, Event] | None = None
+        for raw in self._proc.stdout:
+            try:
+                record = json.loads(raw)
+                kind, data = record["type"], record["data"]
+            except (ValueError, KeyError, TypeError):
+                kind, data = "unreadable", None
+            with self._lock:
+                if kind == "attached_probes":
+                    continue
+                if kind != "printf" or not isinstance(data, str) or not data.endswith("\n"):
+                    self._lost += 1  # lost events, or anything unexpected: never trust this window
+                    continue
+                tag, _, rest = data[:-1].partition("\t")
+                if tag == "S" and pending is not None:
+                    group, event = pending
+                    event.path = rest.encode(errors="surrogateescape")
+                    seen = self._groups.get(group)
+                    if seen is not None and event.ns >= seen.since:
+                        seen.events.append(event)
+                    pending = None
+                    continue
+                if pending is not None:  # an event without its path: the buffer lost the rest
+                    self._lost += 1
+                    pending = None
+                fields = rest.split("\t")
+                try:
+                    if tag == "E" and len(fields) == 10:
+                        ns, tid, cg, name, result, dirfd, flags, base, made, root = fields
+                        event = Event(int(ns), int(tid), name, int(result), int(dirfd), int(flags), base, made, root)
+                        pending = (int(cg), event)
+                    elif tag == "C" and len(fields) == 7:
+                        ns, tid, cg, _, result, family, base = fields
+                        pending = (int(cg), Event(int(ns), int(tid), "connect", int(result), int(family), 0, base))
+                    elif tag == "H" and len(fields) == 5:
+                        group_of = self._groups.get(int(fields[2]))
+                        if group_of is not None and group_of.hazard is None and int(fields[0]) >= group_of.since:
+                            group_of.hazard = f"{fields[3]} (not described by file digests)"
+                    elif tag == "Y" and len(fields) == 2:
+                        self._synced[int(fields[0])] = max(self._synced[int(fields[0])], int(fields[1]))
+                        self._lock.notify_all()
+                    elif data == "READY\n":
+                        self._ready = True
+                        self._lock.notify_all()
+                    else:
+                        self._lost += 1
+                except ValueError:
+                    self._lost += 1
+        with self._lock:
+            self._ended = True
+            self._lock.notify_all()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def begin(self, group: int) -> int:
+        """Keep the events of the sandbox group `group` (its cgroup id) from now on until `collect` (not earlier
+        ones still in the buffers: another command's); returns how many times events were lost so far."""
+        with self._lock:
+            self._groups[group] = _Group(time.monotonic_ns())
+            return self._lost
+
+    def collect(self, group: int, lost: int) -> tuple[list[Event], str | None]:
+        """After the command begun with `begin(group)` (which returned `lost`) ended: its events, and why they
+        cannot be used, if so."""
+        with self._lock:
+            self._token += 1
+            token = self._token
+        mask = os.sched_getaffinity(0)
+        try:
+            for cpu in self._cpus:
+                os.sched_setaffinity(0, {cpu})
+                with contextlib.suppress(OSError):
+                    os.getpgid(-token)
+        finally:
+            os.sched_setaffinity(0, mask)
+        with self._lock:
+            done = self._lock.wait_for(
+                lambda: self._ended or all(self._synced[c] >= token for c in self._cpus), timeout=60
+            )
+            found = self._groups.pop(group, None)
+            if found is None:
+                return [], "the command was not begun"
+            if self._ended or not done:
+                return [], "the eBPF tracer stopped"
+            if self._lost != lost:
+                return [], "the eBPF tracer lost events"
+            return found.events, found.hazard
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+def to_trace(events: list[Event], hazard: str | None, resolve: object) -> Trace:
+    """The Trace (see _reads) of one command's events. `resolve(path, follow)` is the canonical path of `path`
+    (absolute) in the sandbox, or None (see _reads.Digester.resolve)."""
+    trace = Trace()
+    if hazard is not None:
+        trace.unsound(hazard)
+    trace.complete = True
+    events = sorted(events, key=lambda e: e.ns)
+    if not events:
+        return trace
+    root = events[0].root
+    #: (mount, dentry) identities -> the path (absolute, as named) and whether it followed a final symlink.
+    known: dict[str, tuple[str, bool]] = {root: ("/", True)}
+    canonical: dict[str, str | None] = {}
+
+    def where(identity: str) -> str | None:
+        if identity not in canonical:
+            named = known.get(identity)
+            canonical[identity] = None if named is None else resolve(*named)  # type: ignore[operator]
+        return canonical[identity]
+
+    for e in events:
+        if e.root and e.root != root:
+            trace.unsound(f"{e.name} from another root directory (chroot)")
+            break
+        name, ok = e.name, e.result >= 0
+        text = e.path.decode(errors="surrogateescape")
+        if name in _FD_CALLS:
+            base = where(e.base)
+            if base is None:
+                if ok or name != "fchdir":
+                    trace.unsound(f"{name} of a descriptor the trace does not show")
+                continue
+            trace.read(base, LIST if name != "fchdir" else WALK)
+            if name == "fchdir" and ok:
+                known[e.made] = (base, True)
+                canonical.pop(e.made, None)
+            continue
+        if len(e.path) >= STRLEN - 1:
+            trace.unsound(f"{name} of a path too long for the tracer")
+            continue
+        if name == "statfs" and ok:
+            trace.unsound("statfs (free space is not described by file digests)")
+            continue
+        if name == "connect":
+            if ok or e.dirfd != 1:  # AF_UNIX
+                trace.unsound("a connection (not described by file digests)")
+                continue
+        if text == "":
+            if e.flags & _AT_EMPTY_PATH and name in ("newfstatat", "statx", "faccessat2", "execveat"):
+                continue  # fstat of an open file: the open that made the descriptor was recorded
+            trace.unsound(f"{name} with a path the tracer could not read")
+            continue
+        if text.startswith("/"):
+            target = text
+        else:
+            base = where(e.base)
+            if base is None:
+                trace.unsound(f"{name} of {text!r} from a directory the trace does not show")
+                continue
+            target = posixpath.join(base, text)
+        if not trace.started and target == MARK:
+            trace.started = True
+            continue
+        if name == "chdir":
+            trace.read(target, WALK)
+            if ok:
+                known[e.made] = (target, True)
+                canonical.pop(e.made, None)
+            continue
+        if name in ("execve", "execveat"):
+            trace.read(target, EXEC)
+            continue
+        flags = e.flags
+        if name in ("open", "openat") and flags & _O_TMPFILE == _O_TMPFILE:
+            trace.read(target, WALK)
+            continue
+        nofollow = (
+            name in _NOFOLLOW_CALLS
+            or name in _WRITES
+            or (name in ("newfstatat", "statx", "faccessat2", "fchownat", "utimensat") and flags & _AT_SYMLINK_NOFOLLOW)
+            or (name in ("open", "openat") and flags & os.O_NOFOLLOW)
+        )
+        trace.read(target, NOFOLLOW if nofollow else FOLLOW)
+        if ok and name in ("open", "openat", "creat"):
+            known[e.made] = (target, not flags & os.O_NOFOLLOW)
+            canonical.pop(e.made, None)
+        if ok and (name in _WRITES or (name in ("open", "openat") and flags & _O_WRITE) or name == "creat"):
+            trace.written.add(target)
+    return trace
+
+
+def read_set(
+    events: list[Event], hazard: str | None, root: str, cache: dict[tuple[int, ...], str]
+) -> tuple[dict[str, str] | None, str]:
+    """The traced command's read set in `root`, or None and why (see _reads.read_set)."""
+    with Digester(root, cache) as digests:
+        trace = to_trace(events, hazard, lambda path, follow: digests.resolve(path, follow))
+    return _reads.read_set(trace, root, cache)
