@@ -182,6 +182,112 @@ def test_a_read_records_contents_absent_probes_listings_and_symlinks(tracer: str
     asyncio.run(main())
 
 
+#: Commands that reach files every way: absolute and relative paths, `..`, symlinks, absent probes, listings,
+#: descriptors of directories (find walks with openat/fchdir, Python's dir_fd), a chdir, scripts and interpreters.
+SAME_READS = [
+    "cat /testbed/l; test -e /testbed/nope || echo none; ls /testbed/d",
+    "cd /testbed/d && cat ../a.txt x && ls -la .. >/dev/null",
+    "find /testbed -name '*.txt' | sort; find /testbed/d -execdir cat {} +",
+    'cd /testbed && python3 -c \'import os; fd = os.open("d", os.O_RDONLY); print(os.stat("x", dir_fd=fd).st_size)\'',
+    "python3 -c 'import os, json; print(sorted(os.listdir(\"/testbed\")))'",
+    "grep -rn x /testbed 2>&1; stat -c %s /testbed/nope 2>&1; readlink /testbed/l",
+]
+
+
+@pytest.mark.skipif(_ebpf.available() is None, reason="no bpftrace")
+def test_the_ebpf_tracer_sees_what_strace_sees() -> None:
+    """The two tracers give one read set, key for key and digest for digest, but for what strace adds of the
+    machinery: its own exec of bash before the command (`path:/bin` where /bin is a symlink to /usr/bin)."""
+
+    async def main() -> None:
+        with tree({"a.txt": "A\n", "b.txt": "B\n", "d/x": "x"}, {"l": "a.txt"}) as base:
+            async with factory(base, "strace") as by_strace, factory(base, "ebpf") as by_ebpf:
+                await uses(by_strace, "strace")
+                await uses(by_ebpf, "ebpf")
+                boxes = [await by_strace.create(), await by_ebpf.create()]
+                for command in SAME_READS:
+                    traced, seen = [await box.execute(bash(command)) for box in boxes]
+                    assert traced.output == seen.output and not seen.error, command
+                    assert traced.reads is not None and seen.reads is not None, command
+                    machinery = {k: v for k, v in traced.reads.items() if k not in seen.reads}
+                    assert set(machinery) <= {"path:/bin"}, (command, machinery)
+                    assert {k: traced.reads[k] for k in seen.reads} == seen.reads, command
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(_ebpf.available() is None, reason="no bpftrace")
+def test_lost_ebpf_events_give_no_read_set() -> None:
+    """A tracer whose buffers hold one page per CPU loses events of a command that makes thousands (a Python
+    start): the call has no read set. The control: the same command under the usual tracer has one."""
+
+    async def main() -> None:
+        with tree({"a.txt": "A\n"}) as base:
+            async with factory(base, "ebpf") as boxes:
+                await uses(boxes, "ebpf")
+                assert boxes._ebpf is not None
+                box = await boxes.create()
+                command = bash("python3 -c 'import json, email.mime.text, unittest, asyncio' && cat /testbed/a.txt")
+                assert (await box.execute(command)).reads is not None
+                bpftrace, usual = _ebpf.available(), boxes._ebpf
+                assert bpftrace is not None
+                small = await asyncio.to_thread(_ebpf.Bpftrace, bpftrace, str(Path(usual._shared_group)), pages=1)
+                try:
+                    boxes._ebpf = small
+                    done = await box.execute(command)
+                    assert done.output == {"output": "A\n", "exit_code": 0}
+                    assert small.lost_count > 0 and done.reads is None
+                finally:
+                    boxes._ebpf = usual
+                    small.close()
+
+    asyncio.run(main())
+
+
+def _event(name: str, path: bytes, result: int = 0, flags: int = 0, base: str = "1:2", made: str = "") -> _ebpf.Event:
+    return _ebpf.Event(0, 7, name, result, -100, flags, base, made, "1:1", path)
+
+
+@pytest.mark.parametrize(
+    ("events", "why"),
+    [
+        ([_event("openat", b"x", base="1:9")], "from a directory the trace does not show"),
+        ([_event("getdents64", b"", base="1:9")], "descriptor the trace does not show"),
+        ([_event("openat", b"/a" * _ebpf.STRLEN)], "too long"),
+        ([_event("newfstatat", b"")], "could not read"),  # an empty path without AT_EMPTY_PATH: a failed read
+        ([_event("statfs", b"/testbed")], "statfs"),
+        ([_event("connect", b"/run/x", result=-111)], "connection"),  # dirfd 0 here: not a Unix socket
+    ],
+)
+def test_ebpf_events_that_cannot_be_placed_are_hazards(events: list[_ebpf.Event], why: str) -> None:
+    mark = _event("newfstatat", _reads.MARK.encode(), result=-2)
+    trace = _ebpf.to_trace([mark, *events], None, lambda path, follow: path)
+    assert trace.started and trace.hazard is not None and why in trace.hazard, trace.hazard
+
+
+def test_ebpf_relative_paths_start_where_the_kernel_says() -> None:
+    """A relative path starts at its directory descriptor's file or the working directory, both named by kernel
+    identities (mount, dentry) that a traced open or chdir of the same command made known."""
+    mark = _event("newfstatat", _reads.MARK.encode(), result=-2)
+    events = [
+        mark,
+        _event("chdir", b"/testbed/d", made="1:3"),
+        _event("openat", b"x", base="1:3"),
+        _event("openat", b"../e", result=4, flags=os.O_DIRECTORY, base="1:3", made="1:4"),
+        _event("getdents64", b"", base="1:4"),
+        _event("newfstatat", b"y", base="1:4", flags=0x100),  # AT_SYMLINK_NOFOLLOW
+        _event("newfstatat", b"", base="1:4", flags=0x1000),  # AT_EMPTY_PATH: fstat, nothing new
+    ]
+    trace = _ebpf.to_trace(events, None, lambda path, follow: path)
+    assert trace.hazard is None and trace.started
+    assert trace.reads == {
+        "/testbed/d": {"walk"},
+        "/testbed/d/x": {"follow"},
+        "/testbed/d/../e": {"follow", "list"},
+        "/testbed/d/../e/y": {"nofollow"},
+    }
+
+
 def test_a_listing_is_in_the_directorys_own_order() -> None:
     """`ls -f` and `find` print entries in the order getdents returns them (on tmpfs, newest first): the same names
     in another order are another listing."""

@@ -1,9 +1,10 @@
 """`tvcache bench sandbox`, read sets (issue 24): what tracing a command's reads costs, per swe-like command.
 
-The same commands run in one sandbox of an untraced factory and one of a traced factory (`read_sets=True`),
-interleaved, `REPEATS` times each; the table gives each command's median wall time both ways and their ratio, and
-how many state keys its read set holds. The traced time is the whole call: strace in the jail, parsing its output
-and digesting what the command read (content digests are cached per factory, as in a long run).
+The same commands run in one sandbox of an untraced factory and one of each traced factory (`read_sets=True`,
+traced with strace and with eBPF), interleaved, `REPEATS` times each; the table gives each command's median wall
+time each way and the ratios, and how many state keys its read set holds. The traced time is the whole call: the
+tracer, reading its output and digesting what the command read (content digests are cached per factory, as in a
+long run).
 
 The workspace is the `swe` benchmark's marshmallow base when it has been built (`tvcache bench swe`), with its
 virtual environment at /opt/venv; otherwise a small Python project next to the host's Python.
@@ -75,17 +76,19 @@ async def run(repeats: int = REPEATS) -> dict[str, Any]:
     plain = None
     if made is None:
         plain = _plain_project()
-        factories = [WorkspaceSandboxes(plain), WorkspaceSandboxes(plain, read_sets=True)]
+        factories = [WorkspaceSandboxes(plain), *(WorkspaceSandboxes(plain, read_sets=True) for _ in TRACERS)]
         commands, workspace = PLAIN_COMMANDS, "a small Python project (no swe base built)"
     else:
-        traced = _swe_factory(read_sets=True)
-        assert traced is not None
-        factories, commands = [made[0], traced[0]], made[1]
+        traced = [_swe_factory(read_sets=True) for _ in TRACERS]
+        factories, commands = [made[0], *(t[0] for t in traced if t is not None)], made[1]
         workspace = "the swe marshmallow 3.0.0 base"
+    for tracer, factory in zip(TRACERS, factories[1:], strict=True):
+        factory._use_ebpf = tracer == "eBPF"
     try:
         boxes = [await f.create() for f in factories]
-        times: dict[str, list[list[float]]] = {c: [[], []] for c in commands}
-        keys: dict[str, int | None] = {}
+        used = [_tracer_of(f) for f in factories[1:]]
+        times: dict[str, list[list[float]]] = {c: [[] for _ in boxes] for c in commands}
+        keys: dict[str, list[int | None]] = {c: [None for _ in TRACERS] for c in commands}
         for command in commands:
             call = ToolCall("bash", {"command": command})
             for box in boxes:  # warm: the files in the page cache, the base's digests computed once
@@ -95,16 +98,17 @@ async def run(repeats: int = REPEATS) -> dict[str, Any]:
                     start = time.perf_counter()
                     outcome = await box.execute(call)
                     times[command][k].append((time.perf_counter() - start) * 1000)
-                    if k == 1:
-                        keys[command] = None if outcome.reads is None else len(outcome.reads)
-        figures: dict[str, dict[str, float | None]] = {}
-        for command, (untraced, traced_times) in times.items():
-            a, b = statistics.median(untraced), statistics.median(traced_times)
-            figures[command] = {"untraced_ms": a, "traced_ms": b, "ratio": b / a, "keys": keys[command]}
-        total = sum(float(f["traced_ms"] or 0) for f in figures.values()) / sum(
-            float(f["untraced_ms"] or 0) for f in figures.values()
-        )
-        degraded = factories[1].degraded.get("read_sets")
+                    if k:
+                        keys[command][k - 1] = None if outcome.reads is None else len(outcome.reads)
+        figures = {
+            command: {"untraced_ms": statistics.median(ts[0]), "traced_ms": [statistics.median(t) for t in ts[1:]]}
+            for command, ts in times.items()
+        }
+        for command, fig in figures.items():
+            fig["keys"] = keys[command]
+        untraced = sum(statistics.median(ts[0]) for ts in times.values())
+        totals = [sum(statistics.median(ts[k]) for ts in times.values()) / untraced for k in range(1, len(boxes))]
+        degraded = [f.degraded.get("read_sets") for f in factories[1:]]
     finally:
         for f in factories:
             await f.close()
@@ -112,20 +116,45 @@ async def run(repeats: int = REPEATS) -> dict[str, Any]:
             import shutil
 
             shutil.rmtree(plain, ignore_errors=True)
-    return {"workspace": workspace, "repeats": repeats, "figures": figures, "total_ratio": total, "degraded": degraded}
+    return {
+        "workspace": workspace,
+        "repeats": repeats,
+        "tracers": used,
+        "figures": figures,
+        "total_ratios": totals,
+        "degraded": degraded,
+    }
+
+
+#: The tracers compared: strace (ptrace stops) and eBPF (bpftrace, none); eBPF falls back to strace where it
+#: cannot run, which the table says.
+TRACERS = ["strace", "eBPF"]
+
+
+def _tracer_of(factory: WorkspaceSandboxes) -> str:
+    if factory._ebpf is not None:
+        return "eBPF"
+    return "strace" if factory._tracer is not None else "untraced"
 
 
 def print_table(result: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title=f"Read sets: each command untraced and traced ({result['workspace']}), medians")
-    for column in ("command", "untraced", "traced", "ratio", "keys read"):
-        table.add_column(column, justify="left" if column == "command" else "right")
+    table.add_column("command")
+    table.add_column("untraced", justify="right")
+    for tracer in result["tracers"]:
+        table.add_column(tracer, justify="right")
+        table.add_column("ratio", justify="right")
+    table.add_column("keys read", justify="right")
     for command, fig in result["figures"].items():
-        keys = "none (hazard)" if fig["keys"] is None else str(fig["keys"])
-        table.add_row(
-            command[:70], f"{fig['untraced_ms']:.1f} ms", f"{fig['traced_ms']:.1f} ms", f"{fig['ratio']:.2f}x", keys
-        )
+        cells = [command[:60], f"{fig['untraced_ms']:.1f} ms"]
+        for traced in fig["traced_ms"]:
+            cells += [f"{traced:.1f} ms", f"{traced / fig['untraced_ms']:.2f}x"]
+        cells.append(" / ".join("none (hazard)" if k is None else str(k) for k in fig["keys"]))
+        table.add_row(*cells)
     console.print(table)
-    console.print(f"All commands together: traced/untraced = {result['total_ratio']:.2f}x")
-    if result["degraded"]:
-        console.print(f"[red]Tracing did not work here: {result['degraded']}[/red]")
+    for tracer, ratio in zip(result["tracers"], result["total_ratios"], strict=True):
+        console.print(f"All commands together: {tracer}/untraced = {ratio:.2f}x")
+    for tracer, why in zip(result["tracers"], result["degraded"], strict=True):
+        if why:
+            console.print(f"[red]Tracing ({tracer}) did not work here: {why}[/red]")

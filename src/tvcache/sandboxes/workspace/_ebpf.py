@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import posixpath
 import shutil
@@ -81,10 +82,59 @@ _PATH_CALLS: dict[str, tuple[str | None, str, str | None]] = {
     "statfs": (None, "pathname", None),
 }
 _FD_CALLS = ("getdents64", "getdents", "fchdir")
-#: Calls whose success (statfs: any) the file digests cannot describe, or that escape the path model here.
-_HAZARDS = ["openat2", "bind", "name_to_handle_at", "open_by_handle_at", "inotify_add_watch", "fanotify_mark", "mount", "umount", "pivot_root", "chroot", "io_uring_setup", "open_tree", "move_mount", "fsopen", "pidfd_getfd", "quotactl", "swapon", "acct"]
+#: Calls the file digests cannot describe, or that escape the model of paths here, whatever their result.
+_HAZARDS = [
+    "openat2",
+    "bind",
+    "name_to_handle_at",
+    "open_by_handle_at",
+    "inotify_add_watch",
+    "fanotify_mark",
+    "mount",
+    "umount",
+    "pivot_root",
+    "chroot",
+    "io_uring_setup",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "pidfd_getfd",
+    "quotactl",
+    "swapon",
+    "acct",
+]
 _WRITES = frozenset(
-    ["creat", "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2", "link", "linkat", "symlink", "symlinkat", "chmod", "fchmodat", "chown", "lchown", "fchownat", "utime", "utimes", "utimensat", "futimesat", "mknod", "mknodat", "truncate", "setxattr", "lsetxattr", "removexattr", "lremovexattr"]
+    [
+        "creat",
+        "mkdir",
+        "mkdirat",
+        "rmdir",
+        "unlink",
+        "unlinkat",
+        "rename",
+        "renameat",
+        "renameat2",
+        "link",
+        "linkat",
+        "symlink",
+        "symlinkat",
+        "chmod",
+        "fchmodat",
+        "chown",
+        "lchown",
+        "fchownat",
+        "utime",
+        "utimes",
+        "utimensat",
+        "futimesat",
+        "mknod",
+        "mknodat",
+        "truncate",
+        "setxattr",
+        "lsetxattr",
+        "removexattr",
+        "lremovexattr",
+    ]
 )
 _NOFOLLOW_CALLS = frozenset({"newlstat", "readlink", "readlinkat", "lgetxattr", "llistxattr"})
 _O_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
@@ -107,7 +157,8 @@ def program(runs: str) -> str:
     fd_file = "(*(curtask->files->fdt->fd + {fd}))"
     pwd = "$bm = (uint64)curtask->fs->pwd.mnt; $bd = (uint64)curtask->fs->pwd.dentry;"
     root = "(uint64)curtask->fs->root.mnt, (uint64)curtask->fs->root.dentry"
-    head = 'printf("E\\t%llu\\t%d\\t%llu\\t{name}\\t%d\\t%d\\t%d\\t%llx:%llx\\t%llx:%llx\\t%llx:%llx\\n", nsecs, tid, cgroup, '
+    fields = "\\t".join(["E", "%llu", "%d", "%llu", "{name}", "%d", "%d", "%d", "%llx:%llx", "%llx:%llx", "%llx:%llx"])
+    head = f'printf("{fields}\\n", nsecs, tid, cgroup, '
     zero = "$bm = (uint64)0; $bd = (uint64)0; $rm = (uint64)0; $rd = (uint64)0;"
 
     def of_fd(fd: str, m: str, d: str) -> str:
@@ -136,7 +187,7 @@ def program(runs: str) -> str:
             f"tracepoint:syscalls:sys_exit_{name} {only} {{ $r = (int64)args->ret; {zero} {base} {made} "
             + head.format(name=name)
             + f"$r, {'$dfd' if dfd else _AT_FDCWD}, @f[tid], $bm, $bd, $rm, $rd, {root}); "
-            + 'printf("S\\t%s\\n", str(@p[tid])); delete(@p[tid]); delete(@f[tid]);'
+            + 'printf("S\\t%d\\t%s\\n", tid, str(@p[tid])); delete(@p[tid]); delete(@f[tid]);'
             + (" delete(@d[tid]);" if dfd else "")
             + " }"
         )
@@ -144,7 +195,7 @@ def program(runs: str) -> str:
     out.append(
         f"tracepoint:syscalls:sys_enter_execve {only} {{ {zero} {pwd} "
         + head.format(name="execve")
-        + f'0, {_AT_FDCWD}, 0, $bm, $bd, $rm, $rd, {root}); printf("S\\t%s\\n", str(args->filename)); }}'
+        + f'0, {_AT_FDCWD}, 0, $bm, $bd, $rm, $rd, {root}); printf("S\\t%d\\t%s\\n", tid, str(args->filename)); }}'
     )
     for name in _FD_CALLS:
         made = "$rm = (uint64)curtask->fs->pwd.mnt; $rd = (uint64)curtask->fs->pwd.dentry;" if name == "fchdir" else ""
@@ -153,7 +204,7 @@ def program(runs: str) -> str:
             f"tracepoint:syscalls:sys_exit_{name} {only} {{ $r = (int64)args->ret; {zero} $dfd = (int64)@d[tid]; "
             f"{of_fd('$dfd', '$bm', '$bd')} {made} "
             + head.format(name=name)
-            + f'$r, $dfd, 0, $bm, $bd, $rm, $rd, {root}); printf("S\\t\\n"); delete(@d[tid]); }}'
+            + f'$r, $dfd, 0, $bm, $bd, $rm, $rd, {root}); printf("S\\t%d\\t\\n", tid); delete(@d[tid]); }}'
         )
     for name in _HAZARDS:
         out.append(
@@ -165,7 +216,7 @@ def program(runs: str) -> str:
     out.append(
         f"tracepoint:syscalls:sys_exit_connect {only} {{ $a = (uint8 *)@p[tid]; {pwd} "
         'printf("C\\t%llu\\t%d\\t%llu\\tconnect\\t%d\\t%d\\t%llx:%llx\\n", nsecs, tid, cgroup, args->ret, '
-        '*(uint16 *)uptr($a), $bm, $bd); printf("S\\t%s\\n", str(uptr($a + 2))); delete(@p[tid]); }'
+        '*(uint16 *)uptr($a), $bm, $bd); printf("S\\t%d\\t%s\\n", tid, str(uptr($a + 2))); delete(@p[tid]); }'
     )
     out.append(
         f"tracepoint:syscalls:sys_enter_{_SYNC_CALL} /pid == $2 && (int32)args->pid < 0/ "
@@ -204,6 +255,7 @@ def available() -> str | None:
 
 
 _TRACEFS = "/sys/kernel/tracing/events/syscalls"
+log = logging.getLogger("tvcache")
 _shared: dict[str, Bpftrace] = {}
 _shared_lock = threading.Lock()
 
@@ -219,11 +271,13 @@ def shared(bpftrace: str, shared_group: str) -> Bpftrace:
 
 
 class Bpftrace:
-    """One bpftrace process watching this process's sandboxes: cgroup v2 groups `shared_group`/run-.../box."""
+    """One bpftrace process watching this process's sandboxes: cgroup v2 groups `shared_group`/run-.../box.
+    `pages`: the size of each CPU's event buffer, in pages (4 MiB: a Python import is about 10k events)."""
 
-    def __init__(self, bpftrace: str, shared_group: str):
+    def __init__(self, bpftrace: str, shared_group: str, *, pages: int = 1024):
         self._cpus = sorted(os.sched_getaffinity(0))
-        env = {**os.environ, "BPFTRACE_STRLEN": str(STRLEN), "BPFTRACE_PERF_RB_PAGES": "1024"}
+        self._shared_group = shared_group
+        env = {**os.environ, "BPFTRACE_STRLEN": str(STRLEN), "BPFTRACE_PERF_RB_PAGES": str(pages)}
         runs = f"run-{owner_name()}-"
         self._proc = subprocess.Popen(
             [bpftrace, "-f", "json", "-B", "none", "-e", program(runs), str(os.stat(shared_group).st_ino),
@@ -238,6 +292,7 @@ class Bpftrace:
         self._synced: dict[int, int] = defaultdict(int)
         self._lost = 0
         self._token = 0
+        self._pending: dict[int, tuple[int, Event]] = {}
         self._ready = False
         self._ended = False
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -249,8 +304,10 @@ class Bpftrace:
             raise OSError("bpftrace did not start")
 
     def _read(self) -> None:
+        """Parse bpftrace's records. An event is two: its numbers, then its path (the stack holds one at a time);
+        another thread's records may come between them (a program on a syscall tracepoint can be preempted), so
+        they are paired by thread."""
         assert self._proc.stdout is not None
-        pending: tuple[int, Event] | None = None
         for raw in self._proc.stdout:
             try:
                 record = json.loads(raw)
@@ -261,29 +318,30 @@ class Bpftrace:
                 if kind == "attached_probes":
                     continue
                 if kind != "printf" or not isinstance(data, str) or not data.endswith("\n"):
-                    self._lost += 1  # lost events, or anything unexpected: never trust this window
+                    self._lose(raw)  # lost events, or anything unexpected: never trust this window
                     continue
                 tag, _, rest = data[:-1].partition("\t")
-                if tag == "S" and pending is not None:
-                    group, event = pending
-                    event.path = rest.encode(errors="surrogateescape")
+                if tag == "S":
+                    tid, _, path = rest.partition("\t")
+                    found = self._pending.pop(int(tid), None) if tid.isdigit() else None
+                    if found is None:
+                        self._lose(raw)
+                        continue
+                    group, event = found
+                    event.path = path.encode(errors="surrogateescape")
                     seen = self._groups.get(group)
                     if seen is not None and event.ns >= seen.since:
                         seen.events.append(event)
-                    pending = None
                     continue
-                if pending is not None:  # an event without its path: the buffer lost the rest
-                    self._lost += 1
-                    pending = None
                 fields = rest.split("\t")
                 try:
                     if tag == "E" and len(fields) == 10:
                         ns, tid, cg, name, result, dirfd, flags, base, made, root = fields
                         event = Event(int(ns), int(tid), name, int(result), int(dirfd), int(flags), base, made, root)
-                        pending = (int(cg), event)
+                        self._expect(int(cg), event)
                     elif tag == "C" and len(fields) == 7:
                         ns, tid, cg, _, result, family, base = fields
-                        pending = (int(cg), Event(int(ns), int(tid), "connect", int(result), int(family), 0, base))
+                        self._expect(int(cg), Event(int(ns), int(tid), "connect", int(result), int(family), 0, base))
                     elif tag == "H" and len(fields) == 5:
                         group_of = self._groups.get(int(fields[2]))
                         if group_of is not None and group_of.hazard is None and int(fields[0]) >= group_of.since:
@@ -295,16 +353,32 @@ class Bpftrace:
                         self._ready = True
                         self._lock.notify_all()
                     else:
-                        self._lost += 1
+                        self._lose(raw)
                 except ValueError:
-                    self._lost += 1
+                    self._lose(raw)
         with self._lock:
             self._ended = True
             self._lock.notify_all()
 
+    def _expect(self, group: int, event: Event) -> None:
+        """`event` waits for its path (see `_read`)."""
+        if self._pending.get(event.tid) is not None:
+            self._lose(b"an event without its path")
+        self._pending[event.tid] = (group, event)
+
+    def _lose(self, line: bytes) -> None:
+        self._lost += 1
+        log.debug("eBPF tracer: events lost (%r)", line[:200])
+
     @property
     def ended(self) -> bool:
         return self._ended
+
+    @property
+    def lost_count(self) -> int:
+        """How many times events were lost (or a line came unreadable) since the start."""
+        with self._lock:
+            return self._lost
 
     def begin(self, group: int) -> int:
         """Keep the events of the sandbox group `group` (its cgroup id) from now on until `collect` (not earlier
@@ -334,6 +408,8 @@ class Bpftrace:
             found = self._groups.pop(group, None)
             if found is None:
                 return [], "the command was not begun"
+            if any(g == group for g, _ in self._pending.values()):
+                return [], "an event of the eBPF tracer came without its path"
             if self._ended or not done:
                 return [], "the eBPF tracer stopped"
             if self._lost != lost:
@@ -394,10 +470,9 @@ def to_trace(events: list[Event], hazard: str | None, resolve: object) -> Trace:
         if name == "statfs" and ok:
             trace.unsound("statfs (free space is not described by file digests)")
             continue
-        if name == "connect":
-            if ok or e.dirfd != 1:  # AF_UNIX
-                trace.unsound("a connection (not described by file digests)")
-                continue
+        if name == "connect" and (ok or e.dirfd != 1):  # dirfd: the address family, 1 AF_UNIX
+            trace.unsound("a connection (not described by file digests)")
+            continue
         if text == "":
             if e.flags & _AT_EMPTY_PATH and name in ("newfstatat", "statx", "faccessat2", "execveat"):
                 continue  # fstat of an open file: the open that made the descriptor was recorded
