@@ -613,11 +613,10 @@ class WorkspaceSandbox(ManagedSandbox):
         reads: dict[str, str] | None = None
         root, cache = self.root, self._factory._digest_cache
         path = call.args.get("path", "") if isinstance(call.args, dict) else ""
+        why = ""
         if call.tool == "bash" and self._factory._ebpf is not None:
             if events is not None and not files_changed:
                 reads, why = await _digests(_ebpf.read_set, *events, root, cache)
-                if why:
-                    log.debug("no read set for %r: %s", call.key[:200], why)
         elif call.tool == "bash" and self._factory._tracer is not None:
             parsed = None if trace is None else await asyncio.to_thread(_reads.parse_trace, trace)
             if not (parsed.complete if parsed is not None else _reads.shell_ended(tail)):
@@ -627,11 +626,11 @@ class WorkspaceSandbox(ManagedSandbox):
                 return Outcome({**output, "error": why}, changed, True)
             if parsed is not None and not files_changed:
                 reads, why = await _digests(_reads.read_set, parsed, root, cache)
-                if why:
-                    log.debug("no read set for %r: %s", call.key[:200], why)
         elif call.tool in ("read_file", "list_dir") and not files_changed:
             listing = call.tool == "list_dir"
             reads, _ = await _digests(_reads.file_tool_reads, root, before.cwd, path, listing, cache)
+        if why:
+            log.debug("no read set for %r: %s", call.key[:200], why)
         if reads is not None:
             reads["shell:"] = _reads.shell_digest(before)
         writes: dict[str, str] | None = {}
