@@ -1,14 +1,17 @@
-"""Reads of bash commands traced with eBPF (bpftrace), without stopping the traced processes (prototype).
+"""Reads of bash commands traced with eBPF (bpftrace), without stopping the traced processes.
 
-One bpftrace process per factory watches every process whose cgroup v2 group is a child of the factory's run
-group (each sandbox's own group, see _cgroups): system call tracepoints, no ptrace stops, so the command runs at
-nearly its untraced speed. Each traced call prints the path it named (read at the call's exit, when the kernel has
-copied it in), its directory file descriptor, flags and result, and as kernel identities (mount, dentry) the
-directory a relative path starts from (the descriptor's file or the working directory), the file an open made, and
-the process's root. Identities become paths here: a directory a command uses was opened (or entered) by a traced
-call of the same command, whose path is known; an identity never seen (a descriptor from elsewhere) makes the trace
-unusable. Events come out of one buffer per CPU; after a command, a marker call on every CPU says each buffer has
-been read past the command's end. A lost event (a full buffer) makes every read set of the time window None.
+One bpftrace process per Python process watches every process in its sandboxes' cgroup v2 groups (see _cgroups:
+`tvcache-workspace/run-<this process>-.../<box>`): system call tracepoints, no ptrace stops, so a command runs at
+nearly its untraced speed, with the PIDs it has untraced. Each traced call prints, at its exit (when the kernel has
+copied the path in), the path it named, its directory descriptor, flags and result, and as kernel identities (mount,
+dentry) the directory a relative path starts from (the descriptor's file or the working directory), the file an open
+made and the process's root. Identities become paths here: a directory a command uses was opened or entered by a
+traced call of the same command, whose path is known; an identity never seen makes the read set None. The paths are
+then resolved in the sandbox's root as _reads does for strace's, into the same keys.
+
+Events come out of one buffer per CPU; after a command, a marker call on every CPU says that each buffer has been
+read past the command's end. A lost event (a full buffer), or any record that cannot be read, makes the read set of
+every command whose window it falls in None.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import logging
 import os
 import posixpath
 import shutil
+import signal
 import subprocess
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..reclaim import owner_name
+from ..reclaim import die_with_parent, owner_name
 from . import _reads
 from ._reads import EXEC, FOLLOW, LIST, MARK, NOFOLLOW, WALK, Digester, Trace
 
@@ -227,6 +231,9 @@ def program(runs: str) -> str:
 
 @dataclass(slots=True)
 class Event:
+    """One traced call of a sandbox's process. `base`, `made` and `root` are kernel identities "mount:dentry"
+    (see the module docstring); `dirfd` is the address family for `connect`."""
+
     ns: int
     tid: int
     name: str
@@ -279,14 +286,8 @@ class Bpftrace:
         self._shared_group = shared_group
         env = {**os.environ, "BPFTRACE_STRLEN": str(STRLEN), "BPFTRACE_PERF_RB_PAGES": str(pages)}
         runs = f"run-{owner_name()}-"
-        self._proc = subprocess.Popen(
-            [bpftrace, "-f", "json", "-B", "none", "-e", program(runs), str(os.stat(shared_group).st_ino),
-             str(os.getpid())],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )  # fmt: skip
+        argv = [bpftrace, "-f", "json", "-B", "none", "-e", program(runs), str(os.stat(shared_group).st_ino)]
+        self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Condition()
         self._groups: dict[int, _Group] = {}
         self._synced: dict[int, int] = defaultdict(int)
@@ -295,7 +296,7 @@ class Bpftrace:
         self._pending: dict[int, tuple[int, Event]] = {}
         self._ready = False
         self._ended = False
-        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader = threading.Thread(target=self._read, args=([*argv, str(os.getpid())], env), daemon=True)
         self._reader.start()
         with self._lock:
             self._lock.wait_for(lambda: self._ready or self._ended, timeout=300)
@@ -303,10 +304,26 @@ class Bpftrace:
             self.close()
             raise OSError("bpftrace did not start")
 
-    def _read(self) -> None:
-        """Parse bpftrace's records. An event is two: its numbers, then its path (the stack holds one at a time);
-        another thread's records may come between them (a program on a syscall tracepoint can be preempted), so
-        they are paired by thread."""
+    def _read(self, argv: list[str], env: dict[str, str]) -> None:
+        """Start bpftrace and parse its records. An event is two: its numbers, then its path (the stack holds one
+        at a time); another thread's records may come between them (a program on a syscall tracepoint can be
+        preempted), so they are paired by thread."""
+        try:
+            # Started by this thread, which lives as long as this process: the kernel kills bpftrace with it.
+            self._proc = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                preexec_fn=die_with_parent,
+            )
+        except OSError as exc:
+            log.debug("bpftrace did not start: %s", exc)
+            with self._lock:
+                self._ended = True
+                self._lock.notify_all()
+            return
         assert self._proc.stdout is not None
         for raw in self._proc.stdout:
             try:
@@ -417,8 +434,8 @@ class Bpftrace:
             return found.events, found.hazard
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.terminate()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGINT)  # how bpftrace is told to stop (it detaches its programs)
             try:
                 self._proc.wait(10)
             except subprocess.TimeoutExpired:
