@@ -392,9 +392,12 @@ def _same_output(output: Any, recorded: bytes) -> bool:
 
 
 def _wrote_otherwise(outcome: Outcome, step: Step) -> bool:
-    """Whether a replayed edge wrote other digests than recorded (nothing, if it changed nothing), where both are
-    known and the sandbox vouches for its writes (they are reproducible only then: a workspace's carry times)."""
-    if outcome.reads is None or step.writes is None:
+    """Whether a replayed edge left other digests than recorded, where both are known and the sandbox vouches for
+    its writes (they are reproducible only then: a workspace's carry times). A replay that changed nothing left
+    what it read: a recorded write it did not read, or read otherwise, differs."""
+    reads = outcome.reads
+    if reads is None or step.writes is None:
         return False
-    wrote = {} if outcome.changed is False else outcome.writes
-    return wrote is not None and dict(wrote) != step.writes
+    if outcome.changed is False:  # the state is as it was: the recorded writes must be what is there already
+        return any(reads.get(key) != digest for key, digest in step.writes.items())
+    return outcome.writes is not None and dict(outcome.writes) != step.writes

@@ -21,8 +21,9 @@ the cache then assumes the call changed the state.
 **What a call read.** `ObservedPythonSandboxes` adds reuse by what a call read (`tvcache.reads`) for tools that
 say what they touched: `run` returns `Observed(output, reads, writes)`, naming the pieces of state (keys of the
 user's choosing, such as `"users/mia_1"`) the call read and wrote, and `digest(state, key)` gives a key's content
-digest in a state ("" for absent). The sandbox reports each read key's digest and, for a call that changed the
-state, each written key's new one; the starting state's digests are those of a fresh `make()`. This is the tool's
+digest in a state ("" for absent). The sandbox reports each read key's digest (a key it may write counts as read:
+whether the call changes anything depends on it) and, for a call that changed the state, each written key's new
+one; the starting state's digests are those of a fresh `make()`. This is the tool's
 promise, as `read_only` is: the call's output and writes must depend on nothing but the keys it names (no clock,
 no randomness, no state outside them), and `digest` must change whenever a key's content does. A run that returns
 a plain output is reused by exact history only.
@@ -201,10 +202,12 @@ class PythonSandbox(ManagedSandbox, Generic[S]):
         digest = self._factory._key_digest
         if observed is None or digest is None:
             return Outcome(output, changed=changed)
-        # Read keys are digested after the call: those it did not write are as they were; for those it did, the
-        # cache takes the digest before the call from its own record of the state.
-        reads = {key: digest(self._obj, key) for key in observed.reads}
-        writes = None if changed is False else {key: digest(self._obj, key) for key in observed.writes}
+        # A call reads what it may write: whether it changes anything at all depends on it (writing a value that
+        # is already there is a call that changed nothing, and only where the value is there). Keys are digested
+        # after the call: those it did not write are as they were; for those it did, the cache takes the digest
+        # before the call from its own record of the state.
+        reads = {key: digest(self._obj, key) for key in (*observed.reads, *observed.writes)}
+        writes = None if changed is False else {key: reads[key] for key in observed.writes}
         return Outcome(output, changed=changed, reads=reads, writes=writes)
 
     async def snapshot(self) -> str:
