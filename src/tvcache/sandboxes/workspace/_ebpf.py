@@ -106,6 +106,22 @@ _HAZARDS = [
     "quotactl",
     "swapon",
     "acct",
+    # Newer calls that take a path (or read file state) which neither tracer resolves: hazards, whatever they found.
+    "fchmodat2",
+    "getxattrat",
+    "listxattrat",
+    "setxattrat",
+    "removexattrat",
+    "file_getattr",
+    "file_setattr",
+    "open_tree_attr",
+    "fspick",
+    "fsmount",
+    "fsconfig",
+    "mount_setattr",
+    "statmount",
+    "listmount",
+    "quotactl_fd",
 ]
 _WRITES = frozenset(
     [
@@ -152,6 +168,11 @@ STRLEN = 200
 _SYNC_CALL = "getpgid"
 
 
+def _has(call: str) -> bool:
+    """Does this kernel have the system call (and its tracepoints)? A call it lacks cannot be made either."""
+    return os.path.isdir(f"{_TRACEFS}/sys_enter_{call}")
+
+
 def program(runs: str) -> str:
     """The bpftrace program, tracing the processes in the sandbox groups of this process's factories: cgroup v2
     groups two levels below the shared group whose id is $1, in a run group whose name starts with `runs`
@@ -174,6 +195,8 @@ def program(runs: str) -> str:
 
     out = ['BEGIN { printf("READY\\n"); }']
     for name, (dfd, path, flags) in _PATH_CALLS.items():
+        if not _has(name):
+            continue
         save = f"@p[tid] = (uint64)args->{path}; @f[tid] = (int64){'args->' + flags if flags else 0};"
         base = pwd
         if dfd:
@@ -201,7 +224,7 @@ def program(runs: str) -> str:
         + head.format(name="execve")
         + f'0, {_AT_FDCWD}, 0, $bm, $bd, $rm, $rd, {root}); printf("S\\t%d\\t%s\\n", tid, str(args->filename)); }}'
     )
-    for name in _FD_CALLS:
+    for name in filter(_has, _FD_CALLS):
         made = "$rm = (uint64)curtask->fs->pwd.mnt; $rd = (uint64)curtask->fs->pwd.dentry;" if name == "fchdir" else ""
         out.append(f"tracepoint:syscalls:sys_enter_{name} {only} {{ @d[tid] = (int64)args->fd; }}")
         out.append(
@@ -210,7 +233,7 @@ def program(runs: str) -> str:
             + head.format(name=name)
             + f'$r, $dfd, 0, $bm, $bd, $rm, $rd, {root}); printf("S\\t%d\\t\\n", tid); delete(@d[tid]); }}'
         )
-    for name in _HAZARDS:
+    for name in filter(_has, _HAZARDS):
         out.append(
             f"tracepoint:syscalls:sys_exit_{name} {only} "
             f'{{ printf("H\\t%llu\\t%d\\t%llu\\t{name}\\t%d\\n", nsecs, tid, cgroup, args->ret); }}'
