@@ -238,6 +238,68 @@ def test_seccomp_filter_refuses_what_dockers_default_profile_refuses(base: Path,
     run(main())
 
 
+# System calls by number, x86-64's and i386's (the numbers of every call since 5.1 are the same on all
+# architectures, the older ones differ). i386 calls are made from the 64-bit python with `int 0x80` (a few
+# bytes of machine code), which the kernel and the filter treat as a 32-bit program's.
+NEWER_AND_FORBIDDEN = textwrap.dedent("""\
+    import ctypes, errno, mmap, platform
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    def native(nr, *args):
+        return "allowed" if libc.syscall(ctypes.c_long(nr), *args) >= 0 else errno.errorcode[ctypes.get_errno()]
+    path = ctypes.c_char_p(b"/tmp/f")
+    open("/tmp/f", "w").close()
+    calls = [
+        ("fchmodat2", lambda: native(452, -100, path, 0o600, 0x100)),  # AT_SYMLINK_NOFOLLOW: glibc 2.39's chmod -h
+        ("getxattrat", lambda: native(464, -100, path, 0, b"user.x", None)),
+        ("file_getattr", lambda: native(468, -100, path, None, 0, 0)),
+        ("number 1000", lambda: native(1000)),
+        ("clone3", lambda: native(435, None, 0)),
+        ("mount", lambda: native(165, b"none", b"/tmp", b"tmpfs", 0, None)),
+        ("open_by_handle_at", lambda: native(304, -1, None, 0)),
+        ("io_uring_setup", lambda: native(425, 1, None)),
+    ]
+    def i386(nr):
+        code = bytes([0xB8]) + nr.to_bytes(4, "little") + bytes([0xCD, 0x80, 0xC3])  # mov eax, nr; int 0x80; ret
+        page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        page.write(code)
+        res = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()
+        return "allowed" if res >= 0 else errno.errorcode[-res]
+    if platform.machine() == "x86_64":
+        calls += [("i386 fchmodat2", lambda: i386(452)), ("i386 mount", lambda: i386(21))]
+    for name, call in calls:
+        print(name, call())
+    """)
+
+
+def test_seccomp_answers_enosys_for_calls_newer_than_its_profile_and_eperm_for_forbidden_ones(
+    base: Path, mode: str
+) -> None:
+    """A C library tries a new system call first and falls back to the old one only on ENOSYS (glibc 2.39's
+    fchmodat with AT_SYMLINK_NOFOLLOW calls fchmodat2), so a call newer than the filter's profile must look absent,
+    as in Docker (runc answers ENOSYS above the newest call its profile names), not forbidden; the calls the
+    threat model forbids keep Docker's EPERM."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("the probe uses x86-64's system call numbers")
+
+    async def main() -> None:
+        async with factory_for(base, mode) as boxes:
+            assert "seccomp" not in boxes.degraded, boxes.degraded
+            box = await boxes.create()
+            await box.execute(ToolCall("write_file", {"path": "/tmp/probe.py", "content": NEWER_AND_FORBIDDEN}))
+            assert await out(box, "python3 /tmp/probe.py") == (
+                "fchmodat2 ENOSYS\ngetxattrat ENOSYS\nfile_getattr ENOSYS\nnumber 1000 ENOSYS\nclone3 ENOSYS\n"
+                "mount EPERM\nopen_by_handle_at EPERM\nio_uring_setup EPERM\n"
+                "i386 fchmodat2 ENOSYS\ni386 mount EPERM\n"
+            )
+            # And the C library's fallback then does what it did before: chmod of the file, from python's
+            # os.chmod(follow_symlinks=False), which calls fchmodat(AT_SYMLINK_NOFOLLOW).
+            chmod = "python3 -c 'import os; os.chmod(\"/tmp/f\", 0o640, follow_symlinks=False)'; stat -c %a /tmp/f"
+            assert await out(box, chmod) == "640\n"
+
+    run(main())
+
+
 # -- resource limits ---------------------------------------------------------------------------------------
 
 LIMITED = {"memory": 256 << 20, "disk": 32 << 20, "max_processes": 64, "timeout": 10.0}

@@ -1,14 +1,21 @@
 """A seccomp filter equivalent to Docker's default profile, compiled once per process by libseccomp.
 
-Like Docker's, the filter is an allowlist: every system call not named below fails with EPERM. It allows what
-ordinary programs use (files, processes, threads, signals, sockets, timers, memory, IPC) and refuses what a
-container without CAP_SYS_ADMIN and friends has no business calling: mount and the new mount API, namespaces
-(`unshare`, `setns`, `clone` with namespace flags), keyrings, kernel modules, BPF, perf events, `reboot`,
-`swapon`, clock setting, `open_by_handle_at`, `userfaultfd`, `kexec_*`, `acct`, `quotactl`, ... As in Docker,
-`socket` refuses AF_VSOCK, `personality` accepts only the harmless personas, and `clone3` answers ENOSYS
+Like Docker's, the filter is an allowlist: every system call it knows and does not name below fails with EPERM.
+It allows what ordinary programs use (files, processes, threads, signals, sockets, timers, memory, IPC) and
+refuses what a container without CAP_SYS_ADMIN and friends has no business calling: mount and the new mount API,
+namespaces (`unshare`, `setns`, `clone` with namespace flags), keyrings, kernel modules, BPF, perf events,
+`reboot`, `swapon`, clock setting, `open_by_handle_at`, `userfaultfd`, `kexec_*`, `acct`, `quotactl`, ... As in
+Docker, `socket` refuses AF_VSOCK, `personality` accepts only the harmless personas, and `clone3` answers ENOSYS
 (its flags live in memory a filter cannot read), so the C library falls back to `clone`, whose flags it can.
 Stricter than Docker: io_uring is refused (a frequent source of kernel escapes; programs fall back to
 ordinary I/O).
+
+System calls newer than the profile answer ENOSYS, as a kernel without them would, and as runc does for
+Docker: a C library tries a new call first and falls back to the old one only on ENOSYS (glibc 2.39's
+`fchmodat(..., AT_SYMLINK_NOFOLLOW)` tries `fchmodat2`, later ones the `*xattrat` calls), so EPERM there would
+break programs of a newer image than the profile. "Newer" is a number above the newest call the filter allows on
+that architecture (`_enosys_above`, a few BPF instructions put before libseccomp's program); below it, a call
+not allowed is one the profile knows and refuses: EPERM.
 
 libseccomp does the compiling (it knows every architecture's system call numbers, and adds the 32-bit ABIs
 of the machine, x86 and x32 on x86-64 as Docker does, so a 32-bit binary is filtered too, not let through).
@@ -24,6 +31,7 @@ import errno
 import functools
 import importlib
 import os
+import struct
 import tempfile
 from typing import Any
 
@@ -31,6 +39,8 @@ __all__ = ["bpf_program"]
 
 #: Allowed without conditions (names unknown to a machine's architecture or libseccomp version are skipped).
 #: Grouped by purpose: files, waiting, memory, processes, identity, signals and time, sockets, IPC, the rest.
+#: A call that takes a path is allowed only once both read-set tracers place it (see _reads and _ebpf): the newer
+#: ones (`fchmodat2`, the `*xattrat` calls, `file_getattr`, ...) are their hazards and stay out, answering ENOSYS.
 _ALLOWED = """
     read write readv writev pread64 pwrite64 preadv preadv2 pwritev pwritev2 lseek _llseek sendfile sendfile64
     copy_file_range splice tee vmsplice readahead fadvise64 fadvise64_64 fallocate truncate truncate64
@@ -91,6 +101,15 @@ _PERSONAS = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
 #: The namespace flags of clone(2): CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET.
 _CLONE_NAMESPACES = 0x7E020000
 
+#: Calls numbered apart from an architecture's table: ARM's private ones (`cacheflush`, `set_tls` from 0x0f0000)
+#: and x32's (bit 30 set, under x86-64's arch value). Left to libseccomp's program, like everything it knows.
+_PRIVATE_NUMBERS = 0x0F0000
+#: Classic BPF (linux/filter.h, linux/seccomp.h): the instructions used, where seccomp_data holds the call's
+#: number and architecture, and the action that makes a call fail with an errno.
+_LD_ABS, _JA, _JEQ, _JGT, _JGE, _RET = 0x20, 0x05, 0x15, 0x25, 0x35, 0x06
+_NR_OFFSET, _ARCH_OFFSET = 0, 4
+_RET_ERRNO = 0x00050000
+
 
 def _bindings() -> Any:
     """libseccomp's own bindings if installed (Debian's python3-seccomp), else pyseccomp, with the same API."""
@@ -104,10 +123,12 @@ def _compile() -> bytes:
     sc = _bindings()
     f = sc.SyscallFilter(defaction=sc.ERRNO(errno.EPERM))
     native = sc.system_arch()
+    arches = [native]  # those whose calls newer than the profile answer ENOSYS (x32's come under x86-64's)
     for sub in {sc.Arch.X86_64: (sc.Arch.X86, sc.Arch.X32), sc.Arch.AARCH64: (sc.Arch.ARM,)}.get(native, ()):
         # A libseccomp without that ABI: its system calls are refused outright (a wrong architecture kills).
         with contextlib.suppress(OSError, ValueError, RuntimeError):
             f.add_arch(sub)
+            arches += [] if sub == sc.Arch.X32 else [sub]
 
     def allow(name: str, *conditions: Any) -> None:
         # A name unknown to this libseccomp or architecture stays refused, as any name not listed.
@@ -126,7 +147,37 @@ def _compile() -> bytes:
     with tempfile.TemporaryFile() as out:
         f.export_bpf(out)
         out.seek(0)
-        return out.read()
+        return _enosys_above(_newest_allowed(sc, arches)) + out.read()
+
+
+def _newest_allowed(sc: Any, arches: list[int]) -> dict[int, int]:
+    """Per architecture (seccomp's arch value), the highest number of a call the filter allows."""
+    names = [*_ALLOWED, "socket", "personality", "clone"]
+    newest: dict[int, int] = {}
+    for arch in arches:
+        # Unknown names resolve to negative numbers, libseccomp's pseudo calls too.
+        numbers = [n for n in (sc.resolve_syscall(arch, name) for name in names) if 0 <= n < _PRIVATE_NUMBERS]
+        if numbers:
+            newest[arch] = max(numbers)
+    return newest
+
+
+def _enosys_above(newest: dict[int, int]) -> bytes:
+    """BPF instructions to put before libseccomp's program: a call of architecture `arch` numbered above
+    `newest[arch]` (and below the private numbers) fails with ENOSYS; anything else goes on to the program."""
+    program = 5 * len(newest) + 2  # where libseccomp's program starts (a jump by j from p lands at p + 1 + j)
+    code: list[tuple[int, int, int, int]] = []
+    for i, (arch, number) in enumerate(newest.items()):
+        at = 5 * i
+        code += [
+            (_LD_ABS, 0, 0, _ARCH_OFFSET),
+            (_JEQ, 0, 3, arch),  # another architecture: the next check
+            (_LD_ABS, 0, 0, _NR_OFFSET),
+            (_JGT, 0, program - at - 4, number),
+            (_JGE, program - at - 5, program - at - 6, _PRIVATE_NUMBERS),  # private: the program; else ENOSYS
+        ]
+    code += [(_JA, 0, 0, 1), (_RET, 0, 0, _RET_ERRNO | errno.ENOSYS)]
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in code)
 
 
 @functools.cache
