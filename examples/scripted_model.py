@@ -47,14 +47,16 @@ class ScriptedPolicy:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         message = self.answer(body["messages"])
-        finish = "tool_calls" if "tool_calls" in message else "stop"
-        head = {"id": "scripted", "created": 0, "model": body["model"]}
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        head = {"id": "scripted", "created": 0, "model": body.get("model", MODEL)}
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         if not body.get("stream"):
-            choice = {"index": 0, "message": message, "finish_reason": finish}
+            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
             return web.json_response({**head, "object": "chat.completion", "choices": [choice], "usage": usage})
         # verifiers' harness streams: the whole answer in one chunk, then the finish reason and usage.
-        delta = {**message, "tool_calls": [{**c, "index": i} for i, c in enumerate(message.get("tool_calls", []))]}
+        delta = dict(message)
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(delta["tool_calls"])]
         chunks = [
             {"index": 0, "delta": delta, "finish_reason": None},
             {"index": 0, "delta": {}, "finish_reason": finish},
@@ -74,7 +76,8 @@ class ScriptedPolicy:
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self._runner.addresses[0][1]}/v1"
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}/v1"
+        return self.url
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self._runner.cleanup()

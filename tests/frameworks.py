@@ -25,12 +25,16 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from aiohttp import web
+
+#: The examples are scripts, not a package: what they import next to them (scripted_model.py) is on the path.
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.append(str(EXAMPLES))
+from scripted_model import ScriptedPolicy  # noqa: E402
 
 Call = tuple[str, str]  # (tool name, arguments as JSON text, possibly malformed)
 Plan = Sequence[Sequence[Call] | str]
@@ -38,15 +42,18 @@ Plan = Sequence[Sequence[Call] | str]
 MARK = re.compile(r"\[plan (\d+)\]")
 
 
-@dataclass
-class ScriptedLLM:
-    plans: Sequence[Plan]
-    final: Callable[[int], str] = lambda k: f"done with plan {k}"
-    requests: list[dict[str, Any]] = field(default_factory=list)
-    _next: Counter[str] = field(default_factory=Counter)
-    _ids: itertools.count[int] = field(default_factory=itertools.count)
+class ScriptedLLM(ScriptedPolicy):
+    """The examples' stand-in (examples/scripted_model.py) with what the tests ask of it: text turns, a `final`
+    answer, plans taken round robin per prompt, and every request body kept (`requests`)."""
 
-    def respond(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    def __init__(self, plans: Sequence[Plan], final: Callable[[int], str] = lambda k: f"done with plan {k}") -> None:
+        super().__init__(plans)  # type: ignore[arg-type]
+        self.final = final
+        self.requests: list[dict[str, Any]] = []
+        self._next: Counter[str] = Counter()
+        self._ids = itertools.count()
+
+    def answer(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         assistants = [m for m in messages if m.get("role") == "assistant"]
         if not assistants:
             prompt = json.dumps([m for m in messages if m.get("role") in ("system", "user")], sort_keys=True)
@@ -71,46 +78,13 @@ class ScriptedLLM:
         ]
         return {"role": "assistant", "content": f"{mark}turn {turn}", "tool_calls": calls}
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.requests.append(body)
-        message = self.respond(body["messages"])
-        finish = "tool_calls" if message.get("tool_calls") else "stop"
-        usage = {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20}
-        head = {"id": "scripted", "created": 0, "model": body.get("model", "scripted")}
-        if not body.get("stream"):
-            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-            return web.json_response({**head, "object": "chat.completion", "choices": [choice], "usage": usage})
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        delta = dict(message)
-        if "tool_calls" in delta:
-            delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(delta["tool_calls"])]
-        chunks = [
-            {"index": 0, "delta": delta, "finish_reason": None},
-            {"index": 0, "delta": {}, "finish_reason": finish},
-        ]
-        for n, choice in enumerate(chunks):
-            chunk = {**head, "object": "chat.completion.chunk", "choices": [choice]}
-            if n == len(chunks) - 1:
-                chunk["usage"] = usage
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        return response
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(await request.json())  # aiohttp keeps the body: the policy reads it again
+        return await super()._completions(request)
 
-    async def __aenter__(self) -> ScriptedLLM:
-        app = web.Application(client_max_size=64 << 20)
-        app.router.add_post("/v1/chat/completions", self._handle)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}/v1"
+    async def __aenter__(self) -> ScriptedLLM:  # type: ignore[override]
+        await super().__aenter__()
         return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self._runner.cleanup()
 
 
 def plan_of(text: str | None) -> int:
@@ -120,14 +94,9 @@ def plan_of(text: str | None) -> int:
     return int(found.group(1))
 
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
 def load_example(name: str) -> ModuleType:
     """Import `examples/<name>.py` as a module (examples are scripts, not a package), with what a script run finds
     next to it (examples/scripted_model.py) importable."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.append(str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(f"tvcache_example_{name}", EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -346,8 +346,8 @@ class PlanIds(ScriptedLLM):
     """The scripted policy with call ids from the plan, turn and position, so that two runs whose rollouts the
     scheduler interleaves differently still show the model the same bytes."""
 
-    def respond(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        message = super().respond(messages)
+    def answer(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        message = super().answer(messages)
         answers = [m for m in messages if m.get("role") == "assistant"]
         plan = plan_of(str(answers[0]["content"] if answers else message["content"]))
         for i, tool_call in enumerate(message.get("tool_calls", [])):

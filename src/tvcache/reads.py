@@ -121,12 +121,14 @@ async def choose(candidates: Sequence[Candidate], state: Mapping[str, str], base
 async def digests(keys: Collection[str], state: Mapping[str, str], base: BaseDigests) -> dict[str, str]:
     """The digest of each of `keys` in the state `state` (a rollout's writes) over the factory's starting state;
     a key neither holds (the factory did not answer) is left out, and matches nothing."""
-    missing = [key for key in keys if key not in state and not _cleared(key, state)]
+    known = {key: digest_in(key, state, {}) for key in keys}  # what the rollout's writes tell
+    missing = [key for key, digest in known.items() if digest is None]
     starting = await base.base_digests(missing) if missing else {}
     found = {}
-    for key in keys:
-        digest = digest_in(key, state, starting)
-        if digest is not None:
+    for key, digest in known.items():
+        if digest is None:
+            digest = starting.get(key)
+        if isinstance(digest, str):
             found[key] = digest
     return found
 

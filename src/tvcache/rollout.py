@@ -42,6 +42,11 @@ _current: ContextVar[Rollout | None] = ContextVar("tvcache_rollout", default=Non
 _in_sandbox_block: ContextVar[tuple[Rollout, ...]] = ContextVar("tvcache_in_sandbox_block", default=())
 
 
+def _writes_of(outcome: Outcome) -> dict[str, str] | None:
+    """What a state-changing execution wrote, as a copy the rollout keeps (None: unknown)."""
+    return None if outcome.writes is None else dict(outcome.writes)
+
+
 def current_rollout() -> Rollout | None:
     """The rollout of the innermost `ToolCache.rollout()` block around this code (in this task or thread), if any:
     the handle tool wrappers use where a framework gives them none."""
@@ -288,10 +293,14 @@ class Rollout:
             stats.hits += 1
             stats.seconds_saved += entry.seconds
         if entry.kind == EDGE:
-            self._history.advance(call, entry.output, entry.seconds, entry.writes)
-            self._writes.apply(entry.writes)
+            self._advance(call, entry.output, entry.seconds, entry.writes)
             self._snapshot_reuse.reached(len(self._history), made=False)
         return Result(output, True, time.perf_counter() - start, source)
+
+    def _advance(self, call: ToolCall, output: bytes, seconds: float, writes: dict[str, str] | None) -> None:
+        """Move the rollout past a state-changing call that wrote `writes` (None: unknown)."""
+        self._history.advance(call, output, seconds, writes)
+        self._writes.apply(writes)
 
     def _kind(self, call: ToolCall, outcome: Outcome) -> Kind:
         """Annotation first, then what the sandbox observed, else assume the state changed."""
@@ -313,11 +322,10 @@ class Rollout:
             if outcome.error:
                 return self._failed(call, outcome, blob, start)
             kind = self._kind(call, outcome)
-            writes = dict(outcome.writes) if kind == EDGE and outcome.writes is not None else None
+            writes = _writes_of(outcome) if kind == EDGE else None
             candidate = await self._candidate(call, kind, outcome, blob, seconds)  # of the state before the call
             if kind == EDGE:
-                self._history.advance(call, blob, seconds, writes)
-                self._writes.apply(writes)
+                self._advance(call, blob, seconds, writes)
                 self._live.applied()
                 self._live.maybe_snapshot()  # in the background: the answer does not wait for it
                 self._snapshot_reuse.reached(len(self._history), made=True)
@@ -398,9 +406,7 @@ class Rollout:
         if not self._detached and self._kind(call, outcome) == EDGE:
             # The store is down but the call is deterministic: keep the cursor right, so the rollout
             # can use the cache again once the store is back.
-            writes = dict(outcome.writes) if outcome.writes is not None else None
-            self._history.advance(call, blob, 0.0, writes)
-            self._writes.apply(writes)
+            self._advance(call, blob, 0.0, _writes_of(outcome))
             self._live.applied()
         return self._executed(blob, start)
 

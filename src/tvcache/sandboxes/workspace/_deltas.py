@@ -37,7 +37,7 @@ from .._fdtree import OPEN_DIR, TreeChanged, _Remover, open_below
 from .._layers import Ref, _copy_data, _copy_entry, _copy_metadata, _LayerCopy, _Links, is_whiteout
 from ._changes import NAME_EVENTS
 
-__all__ = ["Delta", "NotIncremental", "apply", "make_deltas"]
+__all__ = ["Delta", "NotIncremental", "Places", "apply", "make_deltas", "open_handle"]
 
 Parts = tuple[str, ...]
 
@@ -62,7 +62,7 @@ class Delta:
 # -- from the kernel's account to paths ---------------------------------------------------------------------
 
 
-def _open_handle(mount_fd: int, handle: bytes, *, directory: bool = True) -> int | None:
+def open_handle(mount_fd: int, handle: bytes, *, directory: bool = True) -> int | None:
     """An O_PATH descriptor of the directory (or, not `directory`, anything) `handle` names (type first, as
     _changes keeps it); None if it is gone."""
     (kind,) = struct.unpack_from("=i", handle)
@@ -77,7 +77,7 @@ def _open_handle(mount_fd: int, handle: bytes, *, directory: bool = True) -> int
     raise NotIncremental(f"open_by_handle_at: {os.strerror(err)}")
 
 
-class _Places:
+class Places:
     """Where the directories named by handles are: (upper dir index, path below it), or None (gone, or not in an
     upper dir: overlayfs's work dirs)."""
 
@@ -96,7 +96,7 @@ class _Places:
         return self._known[handle]
 
     def _find(self, handle: bytes) -> tuple[int, Parts] | None:
-        fd = _open_handle(self.mount_fd, handle)
+        fd = open_handle(self.mount_fd, handle)
         if fd is None:
             return None
         try:
@@ -273,7 +273,7 @@ def make_deltas(
     reached at `scratch` here and mounted at `mount_path` in the sandbox's mount namespace) since the layer they
     held when the account `entries` began, copied into `dest/<k>` (`dest` exists)."""
     roots = [os.open(upper, OPEN_DIR) for upper in uppers]
-    places = _Places(scratch, mount_path, roots)
+    places = Places(scratch, mount_path, roots)
     try:
         touched: list[dict[Parts, bool]] = [{} for _ in roots]
         dirs: list[set[Parts]] = [set() for _ in roots]

@@ -383,6 +383,11 @@ class Digester:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def open_canonical(self, path: str, flags: int) -> int:
+        """A descriptor of the canonical `path` (see the module docstring) in the root: a symlink on the way
+        fails with ELOOP."""
+        return openat2(self._rfd, path, flags, resolve=_CANONICAL)
+
     # What the kernel would find at a path, recording each step in `keys`.
 
     def _lstat(self, path: str) -> os.stat_result | None:
@@ -392,7 +397,7 @@ class Digester:
 
     def _lstat_now(self, path: str) -> os.stat_result | None:
         try:
-            fd = openat2(self._rfd, path, os.O_PATH | os.O_NOFOLLOW, resolve=_CANONICAL)
+            fd = self.open_canonical(path, os.O_PATH | os.O_NOFOLLOW)
         except OSError as exc:
             if exc.errno in _ABSENT:
                 return None
@@ -457,7 +462,7 @@ class Digester:
 
     def _readlink(self, path: str) -> str:
         parent, name = posixpath.split(path)
-        dfd = openat2(self._rfd, parent, os.O_PATH | os.O_DIRECTORY, resolve=_CANONICAL)
+        dfd = self.open_canonical(parent, os.O_PATH | os.O_DIRECTORY)
         try:
             return os.fsdecode(os.readlink(name, dir_fd=dfd))
         finally:
@@ -481,7 +486,7 @@ class Digester:
         if found is not None:
             return found
         try:
-            fd = openat2(self._rfd, path, os.O_PATH | os.O_NOFOLLOW, resolve=_CANONICAL)
+            fd = self.open_canonical(path, os.O_PATH | os.O_NOFOLLOW)
         except OSError as exc:
             if exc.errno in _ABSENT:
                 return ""
@@ -522,7 +527,7 @@ class Digester:
 
     def _list_digest(self, path: str) -> str:
         try:
-            fd = openat2(self._rfd, path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, resolve=_CANONICAL)
+            fd = self.open_canonical(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError as exc:
             if exc.errno in _ABSENT:
                 return ""
@@ -573,7 +578,7 @@ class Digester:
         """What the kernel reads to run `path` without a system call of the process: a script's `#!`
         interpreter or an ELF file's PT_INTERP (the dynamic loader)."""
         try:
-            fd = openat2(self._rfd, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, resolve=_CANONICAL)
+            fd = self.open_canonical(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return None
         try:

@@ -29,11 +29,10 @@ import stat
 
 from .._fdtree import OPEN_DIR, Walk, open_below
 from .._layers import is_whiteout
-from .._syscalls import openat2
 from ..base import BELOW
 from ._changes import NAME_EVENTS
-from ._deltas import NotIncremental, _open_handle, _Places
-from ._reads import _CANONICAL, Digester
+from ._deltas import NotIncremental, Places, open_handle
+from ._reads import Digester
 
 __all__ = ["write_set"]
 
@@ -63,7 +62,7 @@ class _Below(Walk):
 def _below(digests: Digester, path: str) -> list[str]:
     """Every path below `path` in the root, if it is a directory there."""
     try:
-        fd = openat2(digests._rfd, path, OPEN_DIR, resolve=_CANONICAL)
+        fd = digests.open_canonical(path, OPEN_DIR)
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as exc:
@@ -90,10 +89,10 @@ def _sandbox_path(point: str, parts: tuple[str, ...]) -> str:
     return posixpath.join(point, *parts) if parts else point
 
 
-def _linked(places: _Places, handle: bytes, points: list[str]) -> str | bool | None:
+def _linked(places: Places, handle: bytes, points: list[str]) -> str | bool | None:
     """The sandbox path of the file whose link count changed (`handle`), False if nothing can see the change (it
     has no name left, or is a whiteout), None if its names cannot be told."""
-    fd = _open_handle(places.mount_fd, handle, directory=False)
+    fd = open_handle(places.mount_fd, handle, directory=False)
     if fd is None:
         return False
     try:
@@ -144,7 +143,7 @@ def write_set(
     namespace); `root` is the sandbox's root here."""
     points = [point for point, _ in overlays]
     uppers = [os.open(upper, OPEN_DIR) for _, upper in overlays]
-    places = _Places(scratch, mount_path, uppers)
+    places = Places(scratch, mount_path, uppers)
     try:
         touched: set[str] = set()
         renamed: set[str] = set()
