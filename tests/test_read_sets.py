@@ -19,7 +19,9 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -246,7 +248,7 @@ def test_lost_ebpf_events_give_no_read_set() -> None:
                 assert (await box.execute(command)).reads is not None
                 bpftrace, usual = _ebpf.available(), boxes._ebpf
                 assert bpftrace is not None
-                small = await asyncio.to_thread(_ebpf.Bpftrace, bpftrace, str(Path(usual._shared_group)), pages=1)
+                small = await asyncio.to_thread(_ebpf.Bpftrace, bpftrace, pages=1)
                 try:
                     boxes._ebpf = small
                     done = await box.execute(command)
@@ -255,6 +257,100 @@ def test_lost_ebpf_events_give_no_read_set() -> None:
                 finally:
                     boxes._ebpf = usual
                     small.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(_ebpf.available() is None, reason="no bpftrace")
+def test_a_probe_right_before_the_exit_is_in_the_read_set() -> None:
+    """The last system call of a command (a probe of a missing file, then the process exits: no shell, no trap after
+    it) is in the read set even when bpftrace is behind: here it is stopped (SIGSTOP) for the whole command and
+    resumed a moment after, while the events wait in the kernel's buffers. `collect` must wait until each CPU's
+    buffer has been read past the command's end, not take what the reader has so far (then: no event at all)."""
+
+    async def main() -> None:
+        with tree({"a.txt": "A\n"}) as base:
+            async with factory(base, "ebpf") as boxes:
+                await uses(boxes, "ebpf")
+                assert boxes._ebpf is not None and boxes._ebpf._proc is not None
+                pid = boxes._ebpf._proc.pid
+                box = await boxes.create()
+                run = box._run
+
+                async def behind(command: str) -> Any:
+                    os.kill(pid, signal.SIGSTOP)
+                    try:
+                        return await run(command)
+                    finally:
+                        threading.Timer(0.5, os.kill, (pid, signal.SIGCONT)).start()
+
+                box._run = behind  # type: ignore[method-assign]
+                for _ in range(3):
+                    done = await box.execute(bash("exec /usr/bin/test -e /testbed/probe"))
+                    assert done.output == {"output": "", "exit_code": 1} and done.reads is not None
+                    assert done.reads.get("path:/testbed/probe") == "" and "walk:/testbed" in done.reads
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(_ebpf.available() is None, reason="no bpftrace")
+def test_the_ebpf_tracer_prints_only_the_commands_it_watches() -> None:
+    """A sandbox of an untraced factory in the same process costs the tracer nothing: its processes' calls are not
+    printed (a window kept on this side alone, never put in the kernel's map, sees none of them), while a watched
+    command's are (the control)."""
+
+    async def main() -> None:
+        with tree({"a.txt": "A\n"}) as base:
+            async with factory(base, "ebpf") as traced, WorkspaceSandboxes(base, isolation=mode()) as plain:  # type: ignore[arg-type]
+                await uses(traced, "ebpf")
+                tracer = traced._ebpf
+                assert tracer is not None
+                box = await plain.create()
+                cgroup = box._made_cgroup()
+                assert cgroup is not None and cgroup.core is not None
+                group = os.stat(cgroup.core).st_ino
+                command = bash("cat /testbed/a.txt")
+                unwatched = _ebpf.Window(group, 0, tracer.lost_count)
+                with tracer._lock:
+                    tracer._windows[group] = unwatched
+                assert (await box.execute(command)).output == {"output": "A\n", "exit_code": 0}
+                assert await asyncio.to_thread(tracer.collect, unwatched) == ([], _ebpf.NOT_WATCHED)
+                assert unwatched.events == []
+                watched = tracer.begin(group)
+                assert (await box.execute(command)).output == {"output": "A\n", "exit_code": 0}
+                events, hazard = await asyncio.to_thread(tracer.collect, watched)
+                assert hazard is None and any(e.path == b"/testbed/a.txt" for e in events)
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(_ebpf.available() is None, reason="no bpftrace")
+def test_a_command_the_tracer_had_no_room_to_watch_has_no_read_set() -> None:
+    """The kernel's map of watched groups holds 4,096 (bpftrace's map size): a command begun while it is full is
+    not traced at all, and must have no read set rather than an empty one. The control: once room is made, the
+    same command has one."""
+
+    async def main() -> None:
+        with tree({"a.txt": "A\n"}) as base:
+            async with factory(base, "ebpf") as boxes:
+                await uses(boxes, "ebpf")
+                tracer = boxes._ebpf
+                assert tracer is not None
+                box = await boxes.create()
+                command = bash("cat /testbed/a.txt")
+                cgroup = box._made_cgroup()
+                assert cgroup is not None and cgroup.core is not None
+                others = [tracer.begin((1 << 40) + k) for k in range(4096)]  # groups that do not exist
+                try:
+                    done = await box.execute(command)
+                    assert done.output == {"output": "A\n", "exit_code": 0} and done.reads is None
+                    window = tracer.begin(os.stat(cgroup.core).st_ino)
+                    assert (await asyncio.to_thread(tracer.collect, window))[1] == _ebpf.NOT_WATCHED
+                finally:
+                    for other in others:
+                        tracer.abandon(other)
+                done = await box.execute(command)
+                assert done.reads is not None and "path:/testbed/a.txt" in done.reads
 
     asyncio.run(main())
 

@@ -422,7 +422,7 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         core = box._cgroup.core if box._cgroup is not None else None
         if bpftrace is not None and core is not None:
             try:
-                self._ebpf = await asyncio.to_thread(_ebpf.shared, bpftrace, str(core.parent.parent))
+                self._ebpf = await asyncio.to_thread(_ebpf.shared, bpftrace)
                 if (await box.execute(ToolCall("bash", {"command": ":"}))).reads is not None:
                     return None
             except OSError as exc:
@@ -540,6 +540,21 @@ class WorkspaceSandbox(ManagedSandbox):
             mark=mark,
         )
 
+    async def _run_watched(self, command: str) -> tuple[CommandResult, tuple[list[_ebpf.Event], str | None] | None]:
+        """`_run`, and the command's events and why they cannot be used when the eBPF tracer traces this factory's
+        commands (else None)."""
+        ebpf = self._factory._ebpf
+        cgroup = self._made_cgroup() if ebpf is not None else None  # made first, to watch the command in it
+        if ebpf is None or cgroup is None or cgroup.core is None:
+            return await self._run(command), None
+        window = ebpf.begin(os.stat(cgroup.core).st_ino)
+        try:
+            result = await self._run(command)
+        except BaseException:
+            ebpf.abandon(window)
+            raise
+        return result, await asyncio.to_thread(ebpf.collect, window)
+
     def _made_cgroup(self) -> SandboxCgroup | None:
         if self._cgroup is None:
             ctx = self._ctx
@@ -559,12 +574,8 @@ class WorkspaceSandbox(ManagedSandbox):
             events: tuple[list[_ebpf.Event], str | None] | None = None
             if tool == "bash":
                 hits = self._cgroup.hits() if self._cgroup else (0, 0)
-                ebpf = self._factory._ebpf
-                cgroup = self._made_cgroup() if ebpf is not None else None  # made first, to watch the command
-                group = os.stat(cgroup.core).st_ino if ebpf and cgroup and cgroup.core else None
-                lost = ebpf.begin(group) if ebpf is not None and group is not None else 0
                 try:
-                    result = await self._run(args["command"])
+                    result, events = await self._run_watched(args["command"])
                 except OSError as exc:  # the machinery failed (e.g. a missing binary): not the command
                     return Outcome({"error": f"could not start the command: {exc}"}, None, True)
                 if not result.started:
@@ -576,8 +587,6 @@ class WorkspaceSandbox(ManagedSandbox):
                 state = result.state
                 failure = self._limit_hit(hits)
                 trace, tail = result.trace, result.trace_tail
-                if ebpf is not None and group is not None:
-                    events = await asyncio.to_thread(ebpf.collect, group, lost)
             elif tool == "read_file":
                 output = fast.read_file(root, state.cwd, args["path"], self._ctx.max_output)
             elif tool == "write_file":

@@ -1,26 +1,29 @@
 """Reads of bash commands traced with eBPF (bpftrace), without stopping the traced processes.
 
-One bpftrace process per Python process watches every process in its sandboxes' cgroup v2 groups (see _cgroups:
-`tvcache-workspace/run-<this process>-.../<box>`): system call tracepoints, no ptrace stops, so a command runs at
-nearly its untraced speed, with the PIDs it has untraced. Each traced call prints, at its exit (when the kernel has
-copied the path in), the path it named, its directory descriptor, flags and result, and as kernel identities (mount,
-dentry) the directory a relative path starts from (the descriptor's file or the working directory), the file an open
-made and the process's root. Identities become paths here: a directory a command uses was opened or entered by a
-traced call of the same command, whose path is known; an identity never seen makes the read set None. The paths are
-then resolved in the sandbox's root as _reads does for strace's, into the same keys.
+One bpftrace process per Python process watches the processes of the cgroup v2 groups in its map @w: a command's
+sandbox group is in it from the command's start to its end (a marker call puts it in and takes it out, see
+`Bpftrace.begin`), so untraced sandboxes and idle ones cost it nothing. System call tracepoints, no ptrace stops: a
+command runs at nearly its untraced speed, with the PIDs it has untraced. Each traced call prints, at its exit (when
+the kernel has copied the path in), the path it named, its directory descriptor, flags and result, and as kernel
+identities (mount, dentry) the directory a relative path starts from (the descriptor's file or the working
+directory), the file an open made and the process's root. Identities become paths here: a directory a command uses
+was opened or entered by a traced call of the same command, whose path is known; an identity never seen makes the
+read set None. The paths are then resolved in the sandbox's root as _reads does for strace's, into the same keys.
 
 Events come out of one buffer per CPU; after a command, a marker call on every CPU says that each buffer has been
-read past the command's end. A lost event (a full buffer), or any record that cannot be read, makes the read set of
-every command whose window it falls in None.
+read past the command's end. A lost event (a full buffer), a watch the map had no room for, or any record that
+cannot be read, makes the read set of every command whose window it falls in None.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import posixpath
+import secrets
 import shutil
 import signal
 import subprocess
@@ -29,11 +32,11 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..reclaim import die_with_parent, owner_name
+from ..reclaim import die_with_parent
 from . import _reads
 from ._reads import EXEC, FOLLOW, LIST, MARK, NOFOLLOW, WALK, Digester, Trace
 
-__all__ = ["Bpftrace", "Event", "available", "program", "shared", "to_trace"]
+__all__ = ["NOT_WATCHED", "Bpftrace", "Event", "Window", "available", "program", "shared", "to_trace"]
 
 #: name: (directory fd argument or None, path argument, flags argument or None), as the tracepoints name them.
 _PATH_CALLS: dict[str, tuple[str | None, str, str | None]] = {
@@ -156,16 +159,21 @@ _WRITES = frozenset(
         "lremovexattr",
     ]
 )
+#: Calls that describe an open file when given an empty path and AT_EMPTY_PATH (execveat runs it: kept).
+_FSTAT_CALLS = ("newfstatat", "statx", "faccessat2")
 _NOFOLLOW_CALLS = frozenset({"newlstat", "readlink", "readlinkat", "lgetxattr", "llistxattr"})
 _O_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
 _O_TMPFILE = 0o20000000
 _AT_SYMLINK_NOFOLLOW = 0x100
 _AT_EMPTY_PATH = 0x1000
 _AT_FDCWD = -100
-#: bpftrace's longest string (BPFTRACE_STRLEN); a path this long or longer may have been cut.
-STRLEN = 200
-#: The marker call: getpgid of an impossible process id, -token.
-_SYNC_CALL = "getpgid"
+#: bpftrace's longest string (BPFTRACE_STRLEN); a path this long or longer may have been cut. An event is one
+#: printf, its path and numbers together, and bpftrace 0.17 puts the string on the BPF stack (512 bytes) twice.
+STRLEN = 176
+#: The marker calls, made by this process: lseek of descriptor -1 (EBADF), whose `whence` is the tracer's tag
+#: times 4 plus one of these, and whose offset is a sandbox group's cgroup id or a sync token.
+_WATCH, _UNWATCH, _SYNC = 1, 2, 3
+NOT_WATCHED = "the eBPF tracer could not watch the sandbox (its map of watched groups was full)"
 
 
 def _has(call: str) -> bool:
@@ -173,16 +181,17 @@ def _has(call: str) -> bool:
     return os.path.isdir(f"{_TRACEFS}/sys_enter_{call}")
 
 
-def program(runs: str) -> str:
-    """The bpftrace program, tracing the processes in the sandbox groups of this process's factories: cgroup v2
-    groups two levels below the shared group whose id is $1, in a run group whose name starts with `runs`
-    (see _rundir). $2 is this process's pid, whose `getpgid` calls of negative ids are the sync markers."""
-    group = "curtask->cgroups->dfl_cgrp->kn->__parent"
-    only = f'/{group}->__parent->id == $1 && strncmp(str({group}->name), "{runs}", {len(runs)}) == 0/'
+def program() -> str:
+    """The bpftrace program, tracing the processes of the cgroup v2 groups in @w (a command's window, see
+    `Bpftrace.begin`). $1 is this process's pid, whose `lseek` calls of descriptor -1 with `whence` >> 2 equal to
+    $2 are the marker calls that watch a group, stop watching it and sync (see `_WATCH`)."""
+    only = "/@w[cgroup]/"
     fd_file = "(*(curtask->files->fdt->fd + {fd}))"
     pwd = "$bm = (uint64)curtask->fs->pwd.mnt; $bd = (uint64)curtask->fs->pwd.dentry;"
     root = "(uint64)curtask->fs->root.mnt, (uint64)curtask->fs->root.dentry"
-    fields = "\\t".join(["E", "%llu", "%d", "%llu", "{name}", "%d", "%d", "%d", "%llx:%llx", "%llx:%llx", "%llx:%llx"])
+    fields = "\\t".join(
+        ["E", "%llu", "%d", "%llu", "{name}", "%d", "%d", "%d", "%llx:%llx", "%llx:%llx", "%llx:%llx", "%s"]
+    )
     head = f'printf("{fields}\\n", nsecs, tid, cgroup, '
     zero = "$bm = (uint64)0; $bd = (uint64)0; $rm = (uint64)0; $rd = (uint64)0;"
 
@@ -209,12 +218,18 @@ def program(runs: str) -> str:
             made = of_fd("$r", "$rm", "$rd")
         elif name == "chdir":
             made = "if ($r == 0) { $rm = (uint64)curtask->fs->pwd.mnt; $rd = (uint64)curtask->fs->pwd.dentry; }"
+        emit = (
+            head.format(name=name)
+            + f"$r, {'$dfd' if dfd else _AT_FDCWD}, @f[tid], $bm, $bd, $rm, $rd, {root}, str(@p[tid]));"
+        )
+        if name in _FSTAT_CALLS:
+            # fstat of an open file (glibc's fstat is newfstatat(fd, "", AT_EMPTY_PATH)): a third of all events,
+            # which `to_trace` passes over; the kernel has read the path's first byte by the exit.
+            emit = f"if (!(@f[tid] & {_AT_EMPTY_PATH}) || *(uint8 *)uptr(@p[tid]) != 0) {{ {emit} }}"
         out.append(f"tracepoint:syscalls:sys_enter_{name} {only} {{ {save} }}")
         out.append(
-            f"tracepoint:syscalls:sys_exit_{name} {only} {{ $r = (int64)args->ret; {zero} {base} {made} "
-            + head.format(name=name)
-            + f"$r, {'$dfd' if dfd else _AT_FDCWD}, @f[tid], $bm, $bd, $rm, $rd, {root}); "
-            + 'printf("S\\t%d\\t%s\\n", tid, str(@p[tid])); delete(@p[tid]); delete(@f[tid]);'
+            f"tracepoint:syscalls:sys_exit_{name} {only} {{ $r = (int64)args->ret; {zero} {base} {made} {emit} "
+            + "delete(@p[tid]); delete(@f[tid]);"
             + (" delete(@d[tid]);" if dfd else "")
             + " }"
         )
@@ -222,7 +237,7 @@ def program(runs: str) -> str:
     out.append(
         f"tracepoint:syscalls:sys_enter_execve {only} {{ {zero} {pwd} "
         + head.format(name="execve")
-        + f'0, {_AT_FDCWD}, 0, $bm, $bd, $rm, $rd, {root}); printf("S\\t%d\\t%s\\n", tid, str(args->filename)); }}'
+        + f"0, {_AT_FDCWD}, 0, $bm, $bd, $rm, $rd, {root}, str(args->filename)); }}"
     )
     for name in filter(_has, _FD_CALLS):
         made = "$rm = (uint64)curtask->fs->pwd.mnt; $rd = (uint64)curtask->fs->pwd.dentry;" if name == "fchdir" else ""
@@ -231,7 +246,7 @@ def program(runs: str) -> str:
             f"tracepoint:syscalls:sys_exit_{name} {only} {{ $r = (int64)args->ret; {zero} $dfd = (int64)@d[tid]; "
             f"{of_fd('$dfd', '$bm', '$bd')} {made} "
             + head.format(name=name)
-            + f'$r, $dfd, 0, $bm, $bd, $rm, $rd, {root}); printf("S\\t%d\\t\\n", tid); delete(@d[tid]); }}'
+            + f'$r, $dfd, 0, $bm, $bd, $rm, $rd, {root}, ""); delete(@d[tid]); }}'
         )
     for name in filter(_has, _HAZARDS):
         out.append(
@@ -242,12 +257,16 @@ def program(runs: str) -> str:
     out.append(f"tracepoint:syscalls:sys_enter_connect {only} {{ @p[tid] = (uint64)args->uservaddr; }}")
     out.append(
         f"tracepoint:syscalls:sys_exit_connect {only} {{ $a = (uint8 *)@p[tid]; {pwd} "
-        'printf("C\\t%llu\\t%d\\t%llu\\tconnect\\t%d\\t%d\\t%llx:%llx\\n", nsecs, tid, cgroup, args->ret, '
-        '*(uint16 *)uptr($a), $bm, $bd); printf("S\\t%d\\t%s\\n", tid, str(uptr($a + 2))); delete(@p[tid]); }'
+        'printf("C\\t%llu\\t%d\\t%llu\\tconnect\\t%d\\t%d\\t%llx:%llx\\t%s\\n", nsecs, tid, cgroup, args->ret, '
+        "*(uint16 *)uptr($a), $bm, $bd, str(uptr($a + 2))); delete(@p[tid]); }"
     )
+    # The markers. A watch that did not fit in the map (it is full) shows as 0 when the window closes.
     out.append(
-        f"tracepoint:syscalls:sys_enter_{_SYNC_CALL} /pid == $2 && (int32)args->pid < 0/ "
-        '{ printf("Y\\t%d\\t%d\\n", cpu, -(int32)args->pid); }'
+        "tracepoint:syscalls:sys_enter_lseek /pid == $1 && (int32)args->fd == -1 && (args->whence >> 2) == $2/ "
+        f"{{ $op = args->whence & 3; $x = (uint64)args->offset; "
+        f"if ($op == {_WATCH}) {{ @w[$x] = 1; }} "
+        f'if ($op == {_UNWATCH}) {{ printf("U\\t%llu\\t%d\\n", $x, @w[$x]); delete(@w[$x]); }} '
+        f'if ($op == {_SYNC}) {{ printf("Y\\t%d\\t%llu\\n", cpu, $x); }} }}'
     )
     return "\n".join(out) + "\n"
 
@@ -270,12 +289,17 @@ class Event:
 
 
 @dataclass
-class _Group:
-    """What was seen of one sandbox group's command, which began at `since` (CLOCK_MONOTONIC, as bpftrace's nsecs)."""
+class Window:
+    """One command's watch of its sandbox group (cgroup id `group`), from `since` (CLOCK_MONOTONIC, as bpftrace's
+    nsecs) until `Bpftrace.collect`: what was seen of it. `lost`: the tracer's count of losses when it began;
+    `watched`: what the kernel said when it closed (False: the watch did not fit in its map)."""
 
+    group: int
     since: int
+    lost: int
     events: list[Event] = field(default_factory=list)
     hazard: str | None = None
+    watched: bool = False
 
 
 def available() -> str | None:
@@ -286,40 +310,41 @@ def available() -> str | None:
 
 _TRACEFS = "/sys/kernel/tracing/events/syscalls"
 log = logging.getLogger("tvcache")
-_shared: dict[str, Bpftrace] = {}
+_shared: Bpftrace | None = None
 _shared_lock = threading.Lock()
 
 
-def shared(bpftrace: str, shared_group: str) -> Bpftrace:
-    """This process's tracer of its sandboxes below `shared_group` (cgroup v2), started on first use (it takes
-    seconds: bpftrace compiles and attaches about 120 programs) and kept for the process's life."""
+def shared(bpftrace: str) -> Bpftrace:
+    """This process's tracer, started on first use (it takes seconds: bpftrace compiles and attaches about 120
+    programs) and kept for the process's life."""
+    global _shared
     with _shared_lock:
-        tracer = _shared.get(shared_group)
-        if tracer is None or tracer.ended:
-            tracer = _shared[shared_group] = Bpftrace(bpftrace, shared_group)
-        return tracer
+        if _shared is None or _shared.ended:
+            _shared = Bpftrace(bpftrace)
+        return _shared
 
 
 class Bpftrace:
-    """One bpftrace process watching this process's sandboxes: cgroup v2 groups `shared_group`/run-.../box.
+    """One bpftrace process watching the sandbox groups of this process's traced commands (see `begin`).
     `pages`: the size of each CPU's event buffer, in pages (4 MiB: a Python import is about 10k events)."""
 
-    def __init__(self, bpftrace: str, shared_group: str, *, pages: int = 1024):
+    def __init__(self, bpftrace: str, *, pages: int = 1024):
         self._cpus = sorted(os.sched_getaffinity(0))
-        self._shared_group = shared_group
+        # Tells this tracer's marker calls from another's in the same process (a test's second tracer).
+        self._tag = secrets.randbelow(1 << 28) + 1
         env = {**os.environ, "BPFTRACE_STRLEN": str(STRLEN), "BPFTRACE_PERF_RB_PAGES": str(pages)}
-        runs = f"run-{owner_name()}-"
-        argv = [bpftrace, "-f", "json", "-B", "none", "-e", program(runs), str(os.stat(shared_group).st_ino)]
+        argv = [bpftrace, "-f", "json", "-B", "none", "-e", program(), str(os.getpid()), str(self._tag)]
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Condition()
-        self._groups: dict[int, _Group] = {}
+        self._hurry = threading.Event()  # set while a `collect` waits
+        self._waiting = 0
+        self._windows: dict[int, Window] = {}
         self._synced: dict[int, int] = defaultdict(int)
         self._lost = 0
         self._token = 0
-        self._pending: dict[int, tuple[int, Event]] = {}
         self._ready = False
         self._ended = False
-        self._reader = threading.Thread(target=self._read, args=([*argv, str(os.getpid())], env), daemon=True)
+        self._reader = threading.Thread(target=self._read, args=(argv, env), daemon=True)
         self._reader.start()
         with self._lock:
             self._lock.wait_for(lambda: self._ready or self._ended, timeout=300)
@@ -328,9 +353,8 @@ class Bpftrace:
             raise OSError("bpftrace did not start")
 
     def _read(self, argv: list[str], env: dict[str, str]) -> None:
-        """Start bpftrace and parse its records. An event is two: its numbers, then its path (the stack holds one
-        at a time); another thread's records may come between them (a program on a syscall tracepoint can be
-        preempted), so they are paired by thread."""
+        """Start bpftrace and take its records, as many as have come at once: one JSON decoding and one hold of the
+        lock for all of them (one wake-up and decoding per line cost more than bpftrace's own work)."""
         try:
             # Started by this thread, which lives as long as this process: the kernel kills bpftrace with it.
             self._proc = subprocess.Popen(
@@ -348,67 +372,76 @@ class Bpftrace:
                 self._lock.notify_all()
             return
         assert self._proc.stdout is not None
-        for raw in self._proc.stdout:
-            try:
-                record = json.loads(raw)
-                kind, data = record["type"], record["data"]
-            except (ValueError, KeyError, TypeError):
-                kind, data = "unreadable", None
+        out, rest = self._proc.stdout.fileno(), b""
+        with contextlib.suppress(OSError):  # room for a burst (a Python start) while this thread waits
+            fcntl.fcntl(out, fcntl.F_SETPIPE_SZ, 1 << 20)
+        while chunk := os.read(out, 1 << 20):
+            *lines, rest = (rest + chunk).split(b"\n")
+            records = _decode(lines)
             with self._lock:
-                if kind == "attached_probes":
-                    continue
-                if kind != "printf" or not isinstance(data, str) or not data.endswith("\n"):
-                    self._lose(raw)  # lost events, or anything unexpected: never trust this window
-                    continue
-                tag, _, rest = data[:-1].partition("\t")
-                if tag == "S":
-                    tid, _, path = rest.partition("\t")
-                    found = self._pending.pop(int(tid), None) if tid.isdigit() else None
-                    if found is None:
-                        self._lose(raw)
-                        continue
-                    group, event = found
-                    event.path = path.encode(errors="surrogateescape")
-                    seen = self._groups.get(group)
-                    if seen is not None and event.ns >= seen.since:
-                        seen.events.append(event)
-                    continue
-                fields = rest.split("\t")
-                try:
-                    if tag == "E" and len(fields) == 10:
-                        ns, tid, cg, name, result, dirfd, flags, base, made, root = fields
-                        event = Event(int(ns), int(tid), name, int(result), int(dirfd), int(flags), base, made, root)
-                        self._expect(int(cg), event)
-                    elif tag == "C" and len(fields) == 7:
-                        ns, tid, cg, _, result, family, base = fields
-                        self._expect(int(cg), Event(int(ns), int(tid), "connect", int(result), int(family), 0, base))
-                    elif tag == "H" and len(fields) == 5:
-                        group_of = self._groups.get(int(fields[2]))
-                        if group_of is not None and group_of.hazard is None and int(fields[0]) >= group_of.since:
-                            group_of.hazard = f"{fields[3]} (not described by file digests)"
-                    elif tag == "Y" and len(fields) == 2:
-                        self._synced[int(fields[0])] = max(self._synced[int(fields[0])], int(fields[1]))
-                        self._lock.notify_all()
-                    elif data == "READY\n":
-                        self._ready = True
-                        self._lock.notify_all()
-                    else:
-                        self._lose(raw)
-                except ValueError:
-                    self._lose(raw)
+                for line, record in zip(lines, records, strict=True):
+                    self._take(line, record)
+                self._lock.notify_all()
+            if len(chunk) < 1 << 14:
+                # A trickle (bpftrace writes each event as it comes): let it gather, one wake-up a millisecond
+                # rather than one a line, unless `collect` waits for it.
+                self._hurry.wait(0.001)
         with self._lock:
             self._ended = True
             self._lock.notify_all()
 
-    def _expect(self, group: int, event: Event) -> None:
-        """`event` waits for its path (see `_read`)."""
-        if self._pending.get(event.tid) is not None:
-            self._lose(b"an event without its path")
-        self._pending[event.tid] = (group, event)
+    def _take(self, line: bytes, record: object) -> None:
+        """One record of bpftrace's (`line`, decoded); lost events, or anything unexpected: never trust a window
+        open now."""
+        kind, data = (record.get("type"), record.get("data")) if isinstance(record, dict) else (None, None)
+        if kind == "attached_probes":
+            return
+        if kind != "printf" or not isinstance(data, str) or not data.endswith("\n"):
+            self._lose(line)
+            return
+        tag, _, rest = data[:-1].partition("\t")
+        try:
+            if tag == "E":
+                ns, tid, cg, name, result, dirfd, flags, base, made, root, path = rest.split("\t", 10)
+                event = Event(int(ns), int(tid), name, int(result), int(dirfd), int(flags), base, made, root)
+                self._add(int(cg), event, path)
+            elif tag == "C":
+                ns, tid, cg, _, result, family, base, path = rest.split("\t", 7)
+                self._add(int(cg), Event(int(ns), int(tid), "connect", int(result), int(family), 0, base), path)
+            elif tag == "H":
+                ns, _, cg, name, _ = rest.split("\t")
+                window = self._windows.get(int(cg))
+                if window is not None and window.hazard is None and int(ns) >= window.since:
+                    window.hazard = f"{name} (not described by file digests)"
+            elif tag == "U":
+                group, watched = rest.split("\t")
+                window = self._windows.get(int(group))
+                if window is not None:
+                    window.watched = watched == "1"
+            elif tag == "Y":
+                cpu, token = rest.split("\t")
+                self._synced[int(cpu)] = max(self._synced[int(cpu)], int(token))
+            elif data == "READY\n":
+                self._ready = True
+            else:
+                self._lose(line)
+        except ValueError:
+            self._lose(line)
+
+    def _add(self, group: int, event: Event, path: str) -> None:
+        window = self._windows.get(group)
+        if window is not None and event.ns >= window.since:
+            event.path = path.encode(errors="surrogateescape")
+            window.events.append(event)
 
     def _lose(self, line: bytes) -> None:
         self._lost += 1
         log.debug("eBPF tracer: events lost (%r)", line[:200])
+
+    def _mark(self, op: int, value: int) -> None:
+        """A marker call (see `_WATCH`): bpftrace's program acts on it before the call returns."""
+        with contextlib.suppress(OSError):
+            os.lseek(-1, value, self._tag << 2 | op)
 
     @property
     def ended(self) -> bool:
@@ -420,41 +453,50 @@ class Bpftrace:
         with self._lock:
             return self._lost
 
-    def begin(self, group: int) -> int:
-        """Keep the events of the sandbox group `group` (its cgroup id) from now on until `collect` (not earlier
-        ones still in the buffers: another command's); returns how many times events were lost so far."""
+    def begin(self, group: int) -> Window:
+        """Watch the sandbox group `group` (its cgroup id) from now on until `collect`: before this returns, the
+        kernel traces the group's processes."""
         with self._lock:
-            self._groups[group] = _Group(time.monotonic_ns())
-            return self._lost
+            window = self._windows[group] = Window(group, time.monotonic_ns(), self._lost)
+        self._mark(_WATCH, group)
+        return window
 
-    def collect(self, group: int, lost: int) -> tuple[list[Event], str | None]:
-        """After the command begun with `begin(group)` (which returned `lost`) ended: its events, and why they
-        cannot be used, if so."""
+    def abandon(self, window: Window) -> None:
+        """Stop watching for a command that did not run its course (the machinery failed, or the call was cancelled)."""
+        with self._lock:
+            self._windows.pop(window.group, None)
+        self._mark(_UNWATCH, window.group)
+
+    def collect(self, window: Window) -> tuple[list[Event], str | None]:
+        """After the command begun with `window` ended: its events, and why they cannot be used, if so."""
         with self._lock:
             self._token += 1
             token = self._token
+        self._mark(_UNWATCH, window.group)  # its record comes before this CPU's sync marker's
         mask = os.sched_getaffinity(0)
         try:
             for cpu in self._cpus:
                 os.sched_setaffinity(0, {cpu})
-                with contextlib.suppress(OSError):
-                    os.getpgid(-token)
+                self._mark(_SYNC, token)
         finally:
             os.sched_setaffinity(0, mask)
         with self._lock:
+            self._waiting += 1
+            self._hurry.set()
             done = self._lock.wait_for(
                 lambda: self._ended or all(self._synced[c] >= token for c in self._cpus), timeout=60
             )
-            found = self._groups.pop(group, None)
-            if found is None:
-                return [], "the command was not begun"
-            if any(g == group for g, _ in self._pending.values()):
-                return [], "an event of the eBPF tracer came without its path"
+            self._waiting -= 1
+            if not self._waiting:
+                self._hurry.clear()
+            self._windows.pop(window.group, None)
             if self._ended or not done:
                 return [], "the eBPF tracer stopped"
-            if self._lost != lost:
+            if not window.watched:
+                return [], NOT_WATCHED
+            if self._lost != window.lost:
                 return [], "the eBPF tracer lost events"
-            return found.events, found.hazard
+            return window.events, window.hazard
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -464,6 +506,21 @@ class Bpftrace:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+
+
+def _decode(lines: list[bytes]) -> list[object]:
+    """bpftrace's JSON lines, all in one decoding when they are all JSON; a line that is not: None."""
+    with contextlib.suppress(ValueError):
+        found = json.loads(b"[" + b",".join(lines) + b"]")
+        if isinstance(found, list) and len(found) == len(lines):
+            return found
+    out: list[object] = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            out.append(None)
+    return out
 
 
 def to_trace(events: list[Event], hazard: str | None, resolve: object) -> Trace:
@@ -514,7 +571,7 @@ def to_trace(events: list[Event], hazard: str | None, resolve: object) -> Trace:
             trace.unsound("a connection (not described by file digests)")
             continue
         if text == "":
-            if e.flags & _AT_EMPTY_PATH and name in ("newfstatat", "statx", "faccessat2", "execveat"):
+            if e.flags & _AT_EMPTY_PATH and name in (*_FSTAT_CALLS, "execveat"):
                 continue  # fstat of an open file: the open that made the descriptor was recorded
             trace.unsound(f"{name} with a path the tracer could not read")
             continue
