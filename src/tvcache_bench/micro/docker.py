@@ -4,13 +4,16 @@ On one image of a 300 MB+ root filesystem (the Debian base plus 6,000 files of 3
 the daemon), in one run:
 
 - per backend, `DockerSandboxes` and `WorkspaceSandboxes.from_image`, the median of repeated
-  create (a fresh sandbox), snapshot (of a 1 MB diff), restore (a sandbox from that snapshot) and one `true`;
+  create (a fresh sandbox), snapshot (of a 1 MB diff: a sandbox writes a new 1 MB file before each of
+  `SNAPSHOTS` snapshots), restore (a sandbox from the first snapshot, 1 MB written since the image, and from the
+  last, `SNAPSHOTS` MB written: both backends' restores copy what the sandbox wrote) and one `true`;
 - container creations per second against concurrency 1 to 64 (each of c workers creates containers one
   after the other; 2c creations, at least 32, per point), through the pipeline with its concurrency cap and
   retries, and with neither (the daemon on its own), with the failures of each: the published system's Figure 13.
 
-Targets: from_image snapshot and restore each under 5 ms and at least 50 times faster than a DockerSandboxes
-snapshot and restore (a copy of the container's upper dir, a new container) measured in the same run; the
+Targets: from_image snapshot and restore of a 1 MB diff each under 5 ms, and a fork (that snapshot and restore) at
+least 50 times faster than a DockerSandboxes one (a copy of the container's upper dir, a new container with it)
+measured in the same run; the
 rate-limited pipeline keeps at least 85% of its peak throughput at 64 concurrent creations, with zero failures.
 """
 
@@ -39,6 +42,11 @@ from ..docker_setup import DockerUnavailable, debian_base
 __all__ = ["bench_image", "main", "print_tables", "run", "write_chart"]
 
 FILES, FILE_SIZE = 6000, 30_000
+#: Snapshots taken of a sandbox writing 1 MB before each, the same number for both backends: the last one's restore
+#: copies SNAPSHOTS MB.
+SNAPSHOTS = 10
+RESTORE_1MB, RESTORE_ALL = "restore (1 MB written)", f"restore ({SNAPSHOTS} MB written)"
+_TARGETED = ("snapshot (1 MB diff)", RESTORE_1MB)
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 TARGET_MS, TARGET_RATIO, TARGET_HOLD = 5.0, 50.0, 0.85
 DOCKERFILE = f"""\
@@ -84,19 +92,21 @@ async def _timed(repeats: int, op: Callable[[], Awaitable[Any]]) -> list[float]:
 
 
 async def _operations(boxes: Any, repeats: int) -> dict[str, dict[str, float]]:
-    """create, snapshot of a 1 MB diff, restore, and `true`, each `repeats` times."""
+    """create, snapshot of a 1 MB diff, restore of 1 and of SNAPSHOTS MB written, each `repeats` times (the
+    snapshot SNAPSHOTS times), and `true` twice as often."""
     true = ToolCall("bash", {"command": "true"})
     warm = await boxes.create()
     await warm.execute(true)
     ops = {"create": await _timed(repeats, boxes.create)}
     snaps, snap_times = [], []
-    for i in range(repeats):
+    for i in range(SNAPSHOTS):
         await warm.execute(ToolCall("bash", {"command": f"head -c 1048576 /dev/urandom > /tmp/diff{i}.bin"}))
         start = time.perf_counter()
         snaps.append(await warm.snapshot())
         snap_times.append(time.perf_counter() - start)
     ops["snapshot (1 MB diff)"] = snap_times
-    ops["restore"] = await _timed(repeats, lambda: boxes.restore(snaps[-1]))
+    ops[RESTORE_1MB] = await _timed(repeats, lambda: boxes.restore(snaps[0]))
+    ops[RESTORE_ALL] = await _timed(repeats, lambda: boxes.restore(snaps[-1]))
     ops["one `true`"] = await _timed(repeats * 2, lambda: warm.execute(true))
     for snap in snaps:
         await boxes.delete(snap)
@@ -151,13 +161,14 @@ async def run(*, repeats: int = 10, concurrency: tuple[int, ...] = CONCURRENCY) 
             curves[name].append(await _throughput(image, c, capped))
     size = await asyncio.to_thread(_image_bytes, image)
 
-    # A fork is a snapshot then a restore: a copy of the upper dir + a container with it, against the overlay pair.
+    # A fork is a snapshot then a restore of it (1 MB written): a copy of the upper dir + a container with it,
+    # against a copy into a layer + a sandbox with a copy of the layer.
     def fork(ops: dict[str, dict[str, float]]) -> float:
-        return ops["snapshot (1 MB diff)"]["median_ms"] + ops["restore"]["median_ms"]
+        return ops["snapshot (1 MB diff)"]["median_ms"] + ops[RESTORE_1MB]["median_ms"]
 
     ratios = {
         "snapshot": docker_ops["snapshot (1 MB diff)"]["median_ms"] / layered_ops["snapshot (1 MB diff)"]["median_ms"],
-        "restore": docker_ops["restore"]["median_ms"] / layered_ops["restore"]["median_ms"],
+        "restore": docker_ops[RESTORE_1MB]["median_ms"] / layered_ops[RESTORE_1MB]["median_ms"],
         "fork": fork(docker_ops) / fork(layered_ops),
     }
     limited = curves["rate-limited"]
@@ -174,7 +185,7 @@ async def run(*, repeats: int = 10, concurrency: tuple[int, ...] = CONCURRENCY) 
         "times_faster": ratios,
         "throughput": curves,
         "targets": {
-            "from_image_ms": all(layered_ops[k]["median_ms"] < TARGET_MS for k in ("snapshot (1 MB diff)", "restore")),
+            "from_image_ms": all(layered_ops[k]["median_ms"] < TARGET_MS for k in _TARGETED),
             "times_faster": ratios["fork"] >= TARGET_RATIO,
             "pipeline_holds_peak": at_max["per_second"] >= TARGET_HOLD * peak and at_max["failures"] == 0,
         },
@@ -222,11 +233,13 @@ def print_tables(result: dict[str, Any], console: Console | None = None) -> None
     def verdict(ok: bool) -> str:
         return "[green]met[/green]" if ok else "[red]NOT met[/red]"
 
-    console.print(f"from_image snapshot and restore under {TARGET_MS:g} ms: {verdict(t['from_image_ms'])}")
+    console.print(
+        f"from_image snapshot and restore of a 1 MB diff under {TARGET_MS:g} ms: {verdict(t['from_image_ms'])}"
+    )
     ratios = result["times_faster"]
     console.print(
-        f"... and a fork (snapshot + restore) >= {TARGET_RATIO:g}x faster than commit + run: "
-        f"{ratios['fork']:,.0f}x (commit {ratios['snapshot']:,.0f}x, run {ratios['restore']:,.0f}x): "
+        f"... and a fork (that snapshot + restore) >= {TARGET_RATIO:g}x faster than Docker's: "
+        f"{ratios['fork']:,.0f}x (snapshot {ratios['snapshot']:,.0f}x, restore {ratios['restore']:,.0f}x): "
         f"{verdict(t['times_faster'])}"
     )
     console.print(
