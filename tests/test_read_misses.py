@@ -43,11 +43,11 @@ def test_a_difference_is_classified_by_what_the_two_digests_described() -> None:
 
 def test_misses_are_counted_by_what_each_lookup_found() -> None:
     def lookup(n: int, call: str, *differ: list[tuple[str, str, str]], hit: bool = False) -> dict[str, object]:
-        cands = [{"differ": [{"key": k, "was": w, "now": v} for k, w, v in d]} for d in differ]
+        cands = [{"differ": [{"key": k, "was": w, "now": v} for k, w, v in d], "output": "o1"} for d in differ]
         return {"ev": "lookup", "id": n, "call": call, "candidates": cands or (2 if hit else 0), "hit": hit}
 
-    def execute(n: int, call: str, edge: bool, candidate: bool) -> dict[str, object]:
-        return {"ev": "exec", "id": n, "call": call, "edge": edge, "candidate": candidate}
+    def execute(n: int, call: str, edge: bool, candidate: bool, output: str = "o2") -> dict[str, object]:
+        return {"ev": "exec", "id": n, "call": call, "edge": edge, "candidate": candidate, "output": output}
 
     records = [
         *({"ev": "digest", "digest": d, **v} for d, v in DESCRIBED.items()),
@@ -61,7 +61,7 @@ def test_misses_are_counted_by_what_each_lookup_found() -> None:
         execute(4, "sed -i x a", True, False),
         # The closest candidate is the one blocked by fewer kinds: the mtime alone, not content and shell.
         lookup(5, "cat a", [("path:/a", "f1", "f2"), ("shell:", "s1", "s2")], [("path:/a", "f1", "f1-later")]),
-        execute(5, "cat a", False, True),
+        execute(5, "cat a", False, True, output="o1"),  # the same answer as a candidate that read other digests
         lookup(6, "cat a", hit=True),
         execute(7, "cat b", False, False),  # no lookup: the rollout's state is unknown
     ]
@@ -75,3 +75,4 @@ def test_misses_are_counted_by_what_each_lookup_found() -> None:
     }
     assert found["lookups_with_candidates"] == 2 and found["read_set_hits"] == 1
     assert found["blocked_by"] == {rm.MTIME: 1}
+    assert found["same_answer_as_a_candidate"] == 1

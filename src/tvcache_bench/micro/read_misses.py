@@ -85,6 +85,7 @@ def summarise(lines: Iterable[str], out: TextIO = sys.stdout) -> dict[str, Any]:
     misses: collections.Counter[str] = collections.Counter()
     blocked: collections.Counter[str] = collections.Counter()
     keys: collections.Counter[str] = collections.Counter()
+    same = 0  # of the calls whose candidates all differed: those that answered as one of them had all the same
     for i, r in enumerate(records):
         if r["ev"] != "exec":
             continue
@@ -95,6 +96,7 @@ def summarise(lines: Iterable[str], out: TextIO = sys.stdout) -> dict[str, Any]:
             misses["no second phase: the rollout's state is unknown (an edge whose writes are unknown)"] += 1
         elif lookup["candidates"]:
             misses["candidates, none matching"] += 1
+            same += any(c.get("output") == r.get("output") for c in lookup["candidates"])
 
             def kinds(c: dict[str, Any]) -> list[str]:
                 return [kind_of(m["key"], m["was"], m["now"], described) for m in c["differ"]]
@@ -117,6 +119,7 @@ def summarise(lines: Iterable[str], out: TextIO = sys.stdout) -> dict[str, Any]:
     result = {
         "executions": sum(misses.values()),
         "misses": dict(misses),
+        "same_answer_as_a_candidate": same,
         "lookups_with_candidates": lookups,
         "read_set_hits": hits,
         "blocked_by": dict(blocked),
@@ -125,6 +128,7 @@ def summarise(lines: Iterable[str], out: TextIO = sys.stdout) -> dict[str, Any]:
     print(f"executions (misses of the exact lookup that ran): {result['executions']}", file=out)
     for what, n in misses.most_common():
         print(f"  {n:5d}  {what}", file=out)
+    print(f"  (of the calls with candidates, none matching, {same} answered as one of the candidates had)", file=out)
     print(f"second-phase lookups with candidates: {lookups}, of them hits: {hits}", file=out)
     print("kinds of difference that blocked the closest candidate, per miss:", file=out)
     for what, n in blocked.most_common():
@@ -133,6 +137,10 @@ def summarise(lines: Iterable[str], out: TextIO = sys.stdout) -> dict[str, Any]:
     for what, n in keys.most_common():
         print(f"  {n:5d}  {what}", file=out)
     return result
+
+
+def _digest(output: bytes) -> str:
+    return hashlib.blake2b(output, digest_size=8).hexdigest()
 
 
 def _probe(out: TextIO) -> None:
@@ -202,7 +210,10 @@ def _probe(out: TextIO) -> None:
         if candidates and found is None:
             now = await reads.digests({k for c in candidates for k in c.reads}, state, base)
             record["candidates"] = [
-                {"differ": [{"key": k, "was": v, "now": now.get(k)} for k, v in c.reads.items() if now.get(k) != v]}
+                {
+                    "differ": [{"key": k, "was": v, "now": now.get(k)} for k, v in c.reads.items() if now.get(k) != v],
+                    "output": _digest(c.output),
+                }
                 for c in candidates
             ]
         emit(record)
@@ -210,7 +221,8 @@ def _probe(out: TextIO) -> None:
 
     async def probed_candidate_of(outcome: Any, output: bytes, seconds: float, call: str, **kw: Any) -> Any:
         made = await candidate_of(outcome, output, seconds, call, **kw)
-        emit({"ev": "exec", "id": current.get()[0], "call": call, "edge": kw["edge"], "candidate": made is not None})
+        record = {"ev": "exec", "id": current.get()[0], "call": call, "edge": kw["edge"], "candidate": made is not None}
+        emit({**record, "output": _digest(output)})
         return made
 
     _reads.Digester._path_digest = describe_path  # type: ignore[method-assign]
