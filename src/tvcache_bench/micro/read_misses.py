@@ -111,7 +111,7 @@ def summarise(lines: Iterable[str], out: TextIO = sys.stdout) -> dict[str, Any]:
         elif all(e["edge"] for e in before):
             misses["earlier executions all changed the state (no candidate)"] += 1
         elif any(e["candidate"] for e in before):
-            misses["its candidates were dropped (more than a call keeps)"] += 1
+            misses["an earlier candidate not stored yet, or not kept (a large output, more than a call keeps)"] += 1
         else:
             misses["earlier executions read what cannot be observed (no candidate)"] += 1
     lookups = sum(1 for r in records if r["ev"] == "lookup" and r["candidates"])
