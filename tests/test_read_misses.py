@@ -42,12 +42,31 @@ def test_a_difference_is_classified_by_what_the_two_digests_described() -> None:
 
 
 def test_misses_are_counted_by_what_each_lookup_found() -> None:
-    def lookup(n: int, call: str, *differ: list[tuple[str, str, str]], hit: bool = False) -> dict[str, object]:
+    def lookup(
+        n: int, call: str, *differ: list[tuple[str, str, str]], hit: bool = False, task: str = "t"
+    ) -> dict[str, object]:
         cands = [{"differ": [{"key": k, "was": w, "now": v} for k, w, v in d], "output": "o1"} for d in differ]
-        return {"ev": "lookup", "id": n, "call": call, "candidates": cands or (2 if hit else 0), "hit": hit}
+        return {
+            "ev": "lookup",
+            "id": n,
+            "task": "t",
+            "call": call,
+            "candidates": cands or (2 if hit else 0),
+            "hit": hit,
+        }
 
-    def execute(n: int, call: str, edge: bool, candidate: bool, output: str = "o2") -> dict[str, object]:
-        return {"ev": "exec", "id": n, "call": call, "edge": edge, "candidate": candidate, "output": output}
+    def execute(
+        n: int, call: str, edge: bool, candidate: bool, output: str = "o2", task: str = "t"
+    ) -> dict[str, object]:
+        return {
+            "ev": "exec",
+            "id": n,
+            "task": task,
+            "call": call,
+            "edge": edge,
+            "candidate": candidate,
+            "output": output,
+        }
 
     records = [
         *({"ev": "digest", "digest": d, **v} for d, v in DESCRIBED.items()),
@@ -64,10 +83,12 @@ def test_misses_are_counted_by_what_each_lookup_found() -> None:
         execute(5, "cat a", False, True, output="o1"),  # the same answer as a candidate that read other digests
         lookup(6, "cat a", hit=True),
         execute(7, "cat b", False, False),  # no lookup: the rollout's state is unknown
+        lookup(8, "sed -i x a", task="u"),
+        execute(8, "sed -i x a", True, False, task="u"),  # another task's earlier executions do not count
     ]
     found = rm.summarise([json.dumps(r) for r in records], io.StringIO())
     assert found["misses"] == {
-        "first execution of the call in its task": 2,
+        "first execution of the call in its task": 3,
         "an earlier execution of it was still running (concurrent rollouts)": 1,
         "earlier executions all changed the state (no candidate)": 1,
         "candidates, none matching": 1,

@@ -85,18 +85,19 @@ def summarise(lines: Iterable[str], out: TextIO = sys.stdout) -> dict[str, Any]:
     misses: collections.Counter[str] = collections.Counter()
     blocked: collections.Counter[str] = collections.Counter()
     keys: collections.Counter[str] = collections.Counter()
-    same = 0  # of the calls whose candidates all differed: those that answered as one of them had all the same
+    coincide = 0  # of the calls whose candidates all differed: those that answered as one of them had all the same
     for i, r in enumerate(records):
         if r["ev"] != "exec":
             continue
         at, lookup = looked.get(r["id"], (i, None))
-        before = [e for e in records[:at] if e["ev"] == "exec" and e["call"] == r["call"]]
-        asked = any(e["ev"] == "lookup" and e["call"] == r["call"] for e in records[:at])
+        same = (r["task"], r["call"])  # the same call in the same task (the scope candidates are shared in)
+        before = [e for e in records[:at] if e["ev"] == "exec" and (e["task"], e["call"]) == same]
+        asked = any(e["ev"] == "lookup" and (e["task"], e["call"]) == same for e in records[:at])
         if lookup is None:
             misses["no second phase: the rollout's state is unknown (an edge whose writes are unknown)"] += 1
         elif lookup["candidates"]:
             misses["candidates, none matching"] += 1
-            same += any(c.get("output") == r.get("output") for c in lookup["candidates"])
+            coincide += any(c.get("output") == r.get("output") for c in lookup["candidates"])
 
             def kinds(c: dict[str, Any]) -> list[str]:
                 return [kind_of(m["key"], m["was"], m["now"], described) for m in c["differ"]]
@@ -119,7 +120,7 @@ def summarise(lines: Iterable[str], out: TextIO = sys.stdout) -> dict[str, Any]:
     result = {
         "executions": sum(misses.values()),
         "misses": dict(misses),
-        "same_answer_as_a_candidate": same,
+        "same_answer_as_a_candidate": coincide,
         "lookups_with_candidates": lookups,
         "read_set_hits": hits,
         "blocked_by": dict(blocked),
@@ -128,7 +129,7 @@ def summarise(lines: Iterable[str], out: TextIO = sys.stdout) -> dict[str, Any]:
     print(f"executions (misses of the exact lookup that ran): {result['executions']}", file=out)
     for what, n in misses.most_common():
         print(f"  {n:5d}  {what}", file=out)
-    print(f"  (of the calls with candidates, none matching, {same} answered as one of the candidates had)", file=out)
+    print(f"  (of the calls with candidates, none matching, {coincide} answered as one of them had)", file=out)
     print(f"second-phase lookups with candidates: {lookups}, of them hits: {hits}", file=out)
     print("kinds of difference that blocked the closest candidate, per miss:", file=out)
     for what, n in blocked.most_common():
@@ -195,16 +196,21 @@ def _probe(out: TextIO) -> None:
         return digest
 
     choose, candidate_of, execute_claimed = reads.choose, reads.candidate_of, rollout.Rollout._execute_claimed
-    current: contextvars.ContextVar[tuple[int, str]] = contextvars.ContextVar("current", default=(0, ""))
+    current: contextvars.ContextVar[tuple[int, str, str]] = contextvars.ContextVar("current", default=(0, "", ""))
     ids = itertools.count(1)
 
     async def probed_execute_claimed(self: rollout.Rollout, *args: Any) -> Any:
-        current.set((next(ids), args[0].label()))  # the lookup and the execution of this call report under one id
+        current.set((next(ids), args[0].label(), self._scope_key))  # the lookup and execution report under one id
         return await execute_claimed(self, *args)
 
     async def probed_choose(candidates: Sequence[reads.Candidate], state: Mapping[str, str], base: Any) -> Any:
         found = await choose(candidates, state, base)
-        record: dict[str, Any] = {"ev": "lookup", "id": current.get()[0], "call": current.get()[1]}
+        record: dict[str, Any] = {
+            "ev": "lookup",
+            "id": current.get()[0],
+            "call": current.get()[1],
+            "task": current.get()[2],
+        }
         record["candidates"] = len(candidates)
         record["hit"] = found is not None
         if candidates and found is None:
@@ -221,7 +227,8 @@ def _probe(out: TextIO) -> None:
 
     async def probed_candidate_of(outcome: Any, output: bytes, seconds: float, call: str, **kw: Any) -> Any:
         made = await candidate_of(outcome, output, seconds, call, **kw)
-        record = {"ev": "exec", "id": current.get()[0], "call": call, "edge": kw["edge"], "candidate": made is not None}
+        n, _, task = current.get()
+        record = {"ev": "exec", "id": n, "task": task, "call": call, "edge": kw["edge"], "candidate": made is not None}
         emit({**record, "output": _digest(output)})
         return made
 
