@@ -26,6 +26,7 @@ def runs() -> dict[str, bench.Run]:
     return {name: bench.train(name, 1, rollouts=2, completion_tokens=48) for name in bench.RUNS}
 
 
+@pytest.mark.slow
 def test_one_step_gives_the_same_rewards_with_and_without_tvcache(runs: dict[str, bench.Run]) -> None:
     none, cached = runs["none"], runs["tvcache"]
     assert len(none.steps) == len(cached.steps) == 1

@@ -38,6 +38,9 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 POINTS = ("create", "snapshot", "restore", "close", "idle")
 RNG = random.Random(os.environ.get("TVCACHE_TEST_SEED", "reclaim"))
+#: Alone under pytest-xdist (conftest.py): these tests assert on what a killed child left in /dev/shm and in
+#: cgroups, which a factory made meanwhile by a test in the other worker would reclaim.
+pytestmark = pytest.mark.serial
 
 
 def env() -> dict[str, str]:

@@ -413,6 +413,7 @@ def plans(draw: st.DrawFn) -> tuple[list[tuple[Any, ...]], dict[int, str]]:
     return ops, {i: draw(st.sampled_from(["continue", "restore", "rewind"])) for i in sorted(at)}
 
 
+@pytest.mark.slow
 @settings(
     max_examples=EXAMPLES,
     deadline=None,

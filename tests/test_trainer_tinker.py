@@ -84,13 +84,19 @@ def make_task(where: Path) -> HarborTask:
     (root / "environment" / "Dockerfile").write_text("FROM debian:12\nCOPY files /testbed\n")
     (root / "environment" / "files" / "greet.sh").write_text(GREET)
     (root / "tests" / "test.sh").write_text(TEST)
+    (root / "home").mkdir()  # root's home in the sandboxes, empty as in LocalModal's jail (see workspace)
     return HarborTask("fix-greeting", "Fix the typo in /testbed/greet.sh.", root)
 
 
 def workspace(env_dir: Path) -> tvcache.Sandboxes:
-    """The task's sandbox factory, one per process (module level, so the sandbox factory pickles)."""
+    """The task's sandbox factory, one per process (module level, so the sandbox factory pickles).
+
+    /root is an empty directory, as in LocalModal's jail and in a fresh container: the host's own /root would
+    give each command's login shell (`bash -lc`) this machine's ~/.profile, which may run anything (here pyenv
+    rebuilding its shims, seconds per command, and a change to the sandbox)."""
+    files = {"/testbed": env_dir / "files", "/root": env_dir.parent / "home"}
     return process_sandboxes(
-        ("tinker-test", env_dir), lambda: tvcache.WorkspaceSandboxes(env_dir / "files", network=False, timeout=60)
+        ("tinker-test", env_dir), lambda: tvcache.WorkspaceSandboxes(files, network=False, timeout=60)
     )
 
 
@@ -291,13 +297,17 @@ def test_task_id_is_the_harbor_task_name(tmp_path: Path) -> None:
     assert harbor_task(tmp_path / "fix-greeting" / "environment") == "fix-greeting"
 
 
-def test_the_example_runs_a_group(tmp_path: Path) -> None:
+def test_the_example_runs_a_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import tinker_harbor
 
     task = tinker_harbor.load_task(tinker_harbor.write_task(tmp_path / "fix-greeting"))
+    # The example's factory but with an empty /root (see workspace): this machine's login scripts took most of
+    # the test's time, none of what it checks.
+    (tmp_path / "fix-greeting" / "home").mkdir()
+    monkeypatch.setattr(tinker_harbor, "workspace", workspace)
     outcomes = asyncio.run(tinker_harbor.main(task, tinker_harbor.COMMANDS, rollouts=3))
     assert [reward for reward, _, _ in outcomes] == [1.0, 1.0, 1.0]
     calls = outcomes[0][1]

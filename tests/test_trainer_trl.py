@@ -328,6 +328,7 @@ def test_async_tools_stay_async_and_match_the_plain_class() -> None:
         assert epochs(cached_environment(AsyncBook, cache=cache), policies) == epochs(AsyncBook, policies)
 
 
+@pytest.mark.slow
 def test_the_example_trains_a_step_as_written() -> None:
     import subprocess
     import sys

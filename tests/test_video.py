@@ -341,6 +341,7 @@ def test_the_policy_reorders_and_repeats_read_only_calls() -> None:
 # -- replays through the cache -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tvcache_answers_match_the_oracle_over_two_epochs_and_naive_ones_do_not(
     videos: video_bench.Videos, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

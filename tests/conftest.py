@@ -1,0 +1,54 @@
+"""What every test shares: the `serial` mark, for the default run's two pytest-xdist workers.
+
+The default run (`python -m pytest -q -n 2 --dist loadfile`, see docs/development.md) runs two test files at once,
+one per worker. Nearly every test owns what it touches (its own tmp, ports from the kernel, labels with its pid),
+but a few assert on what a killed process left in the machine's usual places (/dev/shm, cgroups), which any
+factory made meanwhile by the other worker reclaims. Those are marked `serial`: such a test runs while the other
+worker runs none (a readers-writer lock on two files the workers share; a test waiting to run alone goes before
+the tests that arrive after it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with a test marked `slow` first (in their order), then the rest: each worker takes the next file as it
+    finishes one, so the longest start early and the short ones fill the end, instead of one long file starting
+    last while the other worker idles."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the order within each group stays
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # Around setup, call and teardown: a fixture's setup (a factory made) counts as much as the test's body.
+    with _turn(item):
+        yield
+
+
+@contextlib.contextmanager
+def _turn(item: pytest.Item) -> Iterator[None]:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield  # one process: tests run one at a time anyway
+        return
+    # The run's temp root, shared by its workers (each has its own basetemp under it); private API, no public one.
+    shared = Path(item.config._tmp_path_factory.getbasetemp()).parent  # type: ignore[attr-defined]
+    alone = item.get_closest_marker("serial") is not None
+    with open(shared / "serial.gate", "a") as gate, open(shared / "serial.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)  # the gate keeps newcomers out while a serial test waits for the lock
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
