@@ -325,6 +325,36 @@ def test_the_ebpf_tracer_prints_only_the_commands_it_watches() -> None:
 
 
 @pytest.mark.skipif(_ebpf.available() is None, reason="no bpftrace")
+def test_a_cancelled_command_stops_its_watch() -> None:
+    """A call cancelled while its command runs takes its group out of the tracer's map and windows (else the group
+    would stay watched, and a full map would refuse every later command); the sandbox's next command is traced."""
+
+    async def main() -> None:
+        with tree({"a.txt": "A\n"}) as base:
+            async with factory(base, "ebpf") as boxes:
+                await uses(boxes, "ebpf")
+                tracer = boxes._ebpf
+                assert tracer is not None
+                box = await boxes.create()
+                call = asyncio.create_task(box.execute(bash("sleep 30")))
+                for _ in range(1200):  # until the tracer has seen the command exec sleep
+                    await asyncio.sleep(0.05)
+                    with tracer._lock:
+                        windows = list(tracer._windows.values())
+                        if any(e.name == "execve" and e.path.endswith(b"/sleep") for w in windows for e in w.events):
+                            break
+                assert len(tracer._windows) == 1
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                assert tracer._windows == {}
+                done = await box.execute(bash("cat /testbed/a.txt"))
+                assert done.output == {"output": "A\n", "exit_code": 0} and done.reads is not None
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(_ebpf.available() is None, reason="no bpftrace")
 def test_a_command_the_tracer_had_no_room_to_watch_has_no_read_set() -> None:
     """The kernel's map of watched groups holds 4,096 (bpftrace's map size): a command begun while it is full is
     not traced at all, and must have no read set rather than an empty one. The control: once room is made, the
