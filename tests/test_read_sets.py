@@ -23,7 +23,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,16 @@ async def uses(boxes: WorkspaceSandboxes, tracer: str) -> None:
     """Check that the factory traces with `tracer` (a test of one tracer must not silently test the other)."""
     await boxes._initial_snapshot()
     assert (boxes._ebpf is not None, boxes._tracer is not None) == (tracer == "ebpf", tracer == "strace")
+
+
+@contextlib.asynccontextmanager
+async def ebpf_box(files: dict[str, str]) -> AsyncIterator[tuple[WorkspaceSandboxes, _ebpf.Bpftrace, Any]]:
+    """A sandbox of an eBPF-traced factory over `files`: (the factory, its tracer, the sandbox)."""
+    with tree(files) as base:
+        async with factory(base, "ebpf") as boxes:
+            await uses(boxes, "ebpf")
+            assert boxes._ebpf is not None
+            yield boxes, boxes._ebpf, await boxes.create()
 
 
 def bash(command: str) -> ToolCall:
@@ -326,30 +336,31 @@ def test_the_ebpf_tracer_prints_only_the_commands_it_watches() -> None:
 
 @pytest.mark.skipif(_ebpf.available() is None, reason="no bpftrace")
 def test_a_cancelled_command_stops_its_watch() -> None:
-    """A call cancelled while its command runs takes its group out of the tracer's map and windows (else the group
-    would stay watched, and a full map would refuse every later command); the sandbox's next command is traced."""
+    """A call cancelled while its command runs takes its group out of the tracer's windows and the kernel's map (else
+    the group would stay watched, and a full map would refuse every later command)."""
 
     async def main() -> None:
-        with tree({"a.txt": "A\n"}) as base:
-            async with factory(base, "ebpf") as boxes:
-                await uses(boxes, "ebpf")
-                tracer = boxes._ebpf
-                assert tracer is not None
-                box = await boxes.create()
-                call = asyncio.create_task(box.execute(bash("sleep 30")))
-                for _ in range(1200):  # until the tracer has seen the command exec sleep
-                    await asyncio.sleep(0.05)
-                    with tracer._lock:
-                        windows = list(tracer._windows.values())
-                        if any(e.name == "execve" and e.path.endswith(b"/sleep") for w in windows for e in w.events):
-                            break
-                assert len(tracer._windows) == 1
-                call.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await call
-                assert tracer._windows == {}
-                done = await box.execute(bash("cat /testbed/a.txt"))
-                assert done.output == {"output": "A\n", "exit_code": 0} and done.reads is not None
+        async with ebpf_box({"a.txt": "A\n"}) as (_, tracer, box):
+            call = asyncio.create_task(box.execute(bash("sleep 30")))
+            for _ in range(1200):  # until the tracer has seen the command exec sleep
+                await asyncio.sleep(0.05)
+                with tracer._lock:
+                    windows = list(tracer._windows.values())
+                    if any(e.name == "execve" and e.path.endswith(b"/sleep") for w in windows for e in w.events):
+                        break
+            assert len(tracer._windows) == 1
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert tracer._windows == {}
+            # And the kernel's map: a window kept on this side alone finds the group unwatched when it closes.
+            cgroup = box._made_cgroup()
+            assert cgroup is not None and cgroup.core is not None
+            group = os.stat(cgroup.core).st_ino
+            spy = _ebpf.Window(group, 0, tracer.lost_count)
+            with tracer._lock:
+                tracer._windows[group] = spy
+            assert (await asyncio.to_thread(tracer.collect, spy))[1] == _ebpf.NOT_WATCHED
 
     asyncio.run(main())
 
@@ -361,26 +372,21 @@ def test_a_command_the_tracer_had_no_room_to_watch_has_no_read_set() -> None:
     same command has one."""
 
     async def main() -> None:
-        with tree({"a.txt": "A\n"}) as base:
-            async with factory(base, "ebpf") as boxes:
-                await uses(boxes, "ebpf")
-                tracer = boxes._ebpf
-                assert tracer is not None
-                box = await boxes.create()
-                command = bash("cat /testbed/a.txt")
-                cgroup = box._made_cgroup()
-                assert cgroup is not None and cgroup.core is not None
-                others = [tracer.begin((1 << 40) + k) for k in range(4096)]  # groups that do not exist
-                try:
-                    done = await box.execute(command)
-                    assert done.output == {"output": "A\n", "exit_code": 0} and done.reads is None
-                    window = tracer.begin(os.stat(cgroup.core).st_ino)
-                    assert (await asyncio.to_thread(tracer.collect, window))[1] == _ebpf.NOT_WATCHED
-                finally:
-                    for other in others:
-                        tracer.abandon(other)
+        async with ebpf_box({"a.txt": "A\n"}) as (_, tracer, box):
+            command = bash("cat /testbed/a.txt")
+            cgroup = box._made_cgroup()
+            assert cgroup is not None and cgroup.core is not None
+            others = [tracer.begin((1 << 40) + k) for k in range(4096)]  # groups that do not exist
+            try:
                 done = await box.execute(command)
-                assert done.reads is not None and "path:/testbed/a.txt" in done.reads
+                assert done.output == {"output": "A\n", "exit_code": 0} and done.reads is None
+                window = tracer.begin(os.stat(cgroup.core).st_ino)
+                assert (await asyncio.to_thread(tracer.collect, window))[1] == _ebpf.NOT_WATCHED
+            finally:
+                for other in others:
+                    tracer.abandon(other)
+            done = await box.execute(command)
+            assert done.reads is not None and "path:/testbed/a.txt" in done.reads
 
     asyncio.run(main())
 
