@@ -1,11 +1,11 @@
-"""What every test shares: the `serial` mark, for the default run's two pytest-xdist workers.
+"""What every test shares: the `serial` and `slow` marks, for the default run's two pytest-xdist workers.
 
-The default run (`python -m pytest -q -n 2 --dist loadfile`, see docs/development.md) runs two test files at once,
-one per worker. Nearly every test owns what it touches (its own tmp, ports from the kernel, labels with its pid),
-but a few assert on what a killed process left in the machine's usual places (/dev/shm, cgroups), which any
-factory made meanwhile by the other worker reclaims. Those are marked `serial`: such a test runs while the other
-worker runs none (a readers-writer lock on two files the workers share; a test waiting to run alone goes before
-the tests that arrive after it).
+The default run (`python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder`, docs/development.md) runs
+two test files at once, one per worker, the files with a `slow` test first. Nearly every test owns what it touches
+(its own tmp, ports from the kernel, labels with its pid), but a few assert on what a killed process left in the
+machine's usual places (/dev/shm, cgroups), which any factory made meanwhile by the other worker reclaims. Those
+are marked `serial`: such a test runs while the other worker runs none (a readers-writer lock on two files the
+workers share; a test waiting to run alone goes before the tests that arrive after it).
 """
 
 from __future__ import annotations
