@@ -172,6 +172,32 @@ def test_mask_durations() -> None:
     assert swe.mask_durations("sleep in 3s\n") == "sleep in 3s\n"  # only test summaries
 
 
+def _pytest_summary(title: str, width: int = 80) -> str:
+    """The summary line real pytest prints for `title` on a terminal `width` columns wide (its own writer)."""
+    import io
+
+    from _pytest._io.terminalwriter import TerminalWriter
+
+    out = io.StringIO()
+    writer = TerminalWriter(out)
+    writer.fullwidth = width
+    writer.sep("=", title)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("width", [80, 120, 61])
+def test_mask_durations_recentres_pytest_summaries(width: int) -> None:
+    # Found in `bench swe`: a run of `pytest tests/ -x | tail -20` taking 10 s instead of 9 printed one `=`
+    # fewer on each side of its summary, so the masked answers of the same state differed.
+    quick = _pytest_summary("1 failed, 636 passed, 1 warning in 9.87s", width)
+    slow = _pytest_summary("1 failed, 636 passed, 1 warning in 10.02s", width)
+    slower = _pytest_summary("1 failed, 636 passed, 1 warning in 100.54s (0:01:40)", width)
+    assert len({quick, slow, slower}) == 3
+    masked = _pytest_summary("1 failed, 636 passed, 1 warning in N.NNs", width)
+    assert swe.mask_durations(quick) == swe.mask_durations(slow) == swe.mask_durations(slower) == masked
+    assert swe.mask_durations("== 5 passed ==\n") == "== 5 passed ==\n"  # no duration: left as printed
+
+
 # -- swe: a real base (needs PyPI) --------------------------------------------------------------------------
 
 

@@ -29,10 +29,13 @@ once instead of retrying a network that is not there).
 
 **Outputs** are the workspace's `{"output", "exit_code"}`, with one normalisation (`mask_durations`): the
 wall-clock durations in test-run summaries (pytest's "3 passed in 0.12s", unittest's "Ran 3 tests in
-0.004s") read "in N.NNs". They are the only part of a test run's output that differs between two runs of the
-same state; masking them lets the replay check every cached answer against the uncached one exactly, and
-lets tvcache rebuild a state through test runs without taking the timing difference for a nondeterministic
-tool.
+0.004s") read "in N.NNs", and pytest's summary line is centred again for the masked text (its `=` fill
+depends on the duration's digits: a 10 s run has one `=` fewer than a 9 s one). They differ between most
+runs of the same state; masking them lets the replay check most cached answers against the uncached one
+exactly, and lets tvcache rebuild a state through test runs without taking the timing difference for a
+nondeterministic tool. Other output still differs from run to run and the replay's re-executions tell it
+apart: object addresses (`<Name.X l.7 at 0x7f...>`: address-space randomisation is on in the sandboxes) and
+tests whose ids hold the current time (marshmallow's `test_invalid_datetime_deserialization[07:39:05 ...]`).
 
 Known gaps. Inherent to sdists: astroid's ship no tests and sqlfluff's only `test/test_testing.py`, so
 most of their traced pytest commands answer "file or directory not found" (marshmallow's ship the full
@@ -572,9 +575,32 @@ _PYTEST_TIME = re.compile(
 _UNITTEST_TIME = re.compile(r"(\bRan \d+ tests? in )\d+(?:\.\d+)?s\b")
 
 
+# pytest centres its summary in `=` to the terminal's width (80 columns in a pipe): "=== 1 passed in 9.87s ==="
+# has one `=` more on the left than "== 1 passed in 10.02s ==", so masking the duration alone leaves a
+# difference between two runs of the same state (`_recentre`).
+_PYTEST_SEP = re.compile(r"^(=+) (.+?) (=+)$", re.MULTILINE)
+
+
 def mask_durations(text: str) -> str:
     """`text` with the durations of test-run summaries replaced by N.NN (see the module docstring)."""
-    return _UNITTEST_TIME.sub(r"\1N.NNNs", _PYTEST_TIME.sub(r"\1N.NNs", text))
+    return _UNITTEST_TIME.sub(r"\1N.NNNs", _PYTEST_TIME.sub(r"\1N.NNs", _PYTEST_SEP.sub(_recentre, text)))
+
+
+def _recentre(line: re.Match[str]) -> str:
+    """A pytest summary line with its duration masked, centred as pytest would centre the masked title: the
+    terminal's width is the line's length (pytest fills to it, at most one column short). A title too long
+    for one `=` a side has no known width: it is left with one."""
+    fill, title = line[1], line[2]
+    masked = _PYTEST_TIME.sub(r"\1N.NNs", title)
+    if masked == title:
+        return line[0]
+    if len(fill) == 1:
+        return f"= {masked} ="
+    width = len(line[0])
+    # As _pytest._io.terminalwriter.TerminalWriter.sep does it.
+    n = max((width - len(masked) - 2) // 2, 1)
+    out = f"{'=' * n} {masked} {'=' * n}"
+    return out + "=" if len(out) + 1 <= width else out
 
 
 class MaskedSandboxes:
@@ -585,7 +611,7 @@ class MaskedSandboxes:
 
     @property
     def fingerprint(self) -> str:
-        return f"{self.inner.fingerprint}+mask-durations-1"
+        return f"{self.inner.fingerprint}+mask-durations-2"
 
     async def create(self) -> Sandbox:
         return _Masked(await self.inner.create())
