@@ -77,3 +77,13 @@ def test_a_yaml_block_parses_and_names_what_exists(code: str) -> None:
     for target in targets(yaml.safe_load(code)):
         module, _, name = target.rpartition(".")
         assert hasattr(importlib.import_module(module), name), target
+
+
+def test_ci_runs_the_readme_test_command_as_written() -> None:
+    """CI runs the tests exactly as the README tells a contributor to (`bash .ci/run` on a fresh machine), so the
+    two cannot drift apart: the README's indented `python -m pytest` line is a line of `.ci/run`."""
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^    (python -m pytest[^\n]*)$", readme, re.M)
+    assert len(commands) == 1, f"the README names one test command, found {commands}"
+    ci = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert commands[0].strip() in ci, f"{commands[0]!r} is not a line of .ci/run"

@@ -289,6 +289,31 @@ def test_answers_that_differ_only_in_a_printed_duration_are_the_same_answer() ->
     assert result.strategies["third"].wrong_answers == 1
 
 
+def test_a_wrong_answer_whose_recheck_failed_says_it_is_unchecked() -> None:
+    """A mismatch counts as wrong unless an uncached re-execution explains it; when the re-execution itself fails
+    before the call (here it times out; under load a 60 s test run can), nothing could explain it, and the report
+    says so instead of passing it off as a checked wrong answer."""
+    answers = iter(["a", "b"])  # the oracle's answer, the strategy's; every re-execution then hangs
+
+    async def hangs_later(state: dict[str, str], call: Any) -> str:
+        answer = next(answers, None)
+        if answer is None:
+            await asyncio.sleep(5)
+        return answer or "never"
+
+    boxes = PythonSandboxes(make=dict, run=hangs_later, fingerprint="hangs-later")
+    traces = [Trace("t", "r", "", [TraceCall("ask", {})])]
+    workload = Workload("hangs", traces, lambda task: boxes, Tools(read_only={"ask"}))
+    result = asyncio.run(
+        replay(workload, [NoCacheStrategy(), Renamed("again")], ReplayOptions(progress=False, timeout=0.05))
+    )
+    run = result.strategies["again"]
+    assert run.wrong_answers == 1 and run.unchecked == 1
+    assert run.first_unchecked is not None and run.first_unchecked.startswith("t/r call 0: TimeoutError")
+    assert any("wrong answers are unchecked" in p for p in run.problems())
+    assert result.summary()["strategies"]["again"]["unchecked_wrong_answers"] == 1
+
+
 class Renamed(NoCacheStrategy):
     def __init__(self, name: str) -> None:
         super().__init__()

@@ -152,6 +152,8 @@ class StrategyRun:
     tool_first_errors: dict[str, str] = field(default_factory=dict)  # per tool name: its first failure
     lost: int | None = None  # calls that failed where the uncached run (none) answered them
     first_lost: str | None = None
+    unchecked: int = 0  # wrong answers whose rollout's uncached re-execution failed before reaching them
+    first_unchecked: str | None = None
     wall_seconds: float = 0.0
     turn_seconds: float = 0.0  # the model's turns the rollouts waited between their calls
     rollout_seconds: float = 0.0  # every rollout's time from its first call to its end: turns and tool time
@@ -179,6 +181,12 @@ class StrategyRun:
         if self.lost:
             problems.append(
                 f"{self.name} failed {self.lost} calls that the uncached run answered; the first: {self.first_lost}"
+            )
+        if self.unchecked:
+            problems.append(
+                f"{self.unchecked} of {self.name}'s wrong answers are unchecked: re-executing their rollouts "
+                f"uncached failed before reaching them (a nondeterministic tool cannot be told apart); the first: "
+                f"{self.first_unchecked}"
             )
         return problems
 
@@ -259,6 +267,7 @@ class StrategyRun:
             "wrong_examples": self.examples,
             "first_error": self.first_error,
             "failed_where_uncached_answered": self.lost,
+            "unchecked_wrong_answers": self.unchecked,
             "problems": self.problems(),
         }
 
@@ -578,6 +587,7 @@ class _Verifier:
         self._options = options
         # (rollout, paced, round) -> digests of its re-executed calls
         self._answers: dict[tuple[int, bool, int], list[bytes | None]] = {}
+        self.failures: dict[int, str] = {}  # rollout -> why its first re-execution that failed did
 
     def answer(self, index: int, call: int, *, paced: bool = False, round: int = 0) -> bytes | None:
         answers = self._answers.get((index, paced, round), [])
@@ -618,8 +628,8 @@ class _Verifier:
                     call = self._workload.tools.call(c.tool, c.args)
                     outcome = await asyncio.wait_for(box.execute(call), self._options.timeout)
                     answers.append(None if outcome.error else _digest(as_cached(outcome.output)))
-            except Exception:
-                pass  # what is missing stays unverified
+            except Exception as exc:  # what is missing stays unverified, and the report says why
+                self.failures.setdefault(index, f"{trace.task}/{trace.rollout} call {len(answers)}: {exc!r}")
             finally:
                 if box is not None:
                     with contextlib.suppress(Exception):
@@ -657,6 +667,9 @@ async def _judge(
             run.nondeterministic += 1
             continue
         run.wrong_answers += 1
+        if verifier is not None and m.index in verifier.failures and not verifier.answers(m.index, m.call):
+            run.unchecked += 1
+            run.first_unchecked = run.first_unchecked or verifier.failures[m.index]
         run.incorrect_hits += m.hit
         assert run.incorrect_read_set_hits is not None
         run.incorrect_read_set_hits += m.read_set
