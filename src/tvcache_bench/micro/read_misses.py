@@ -58,9 +58,7 @@ def kind_of(key: str, was: str, now: str | None, described: Mapping[str, dict[st
         return WALK
     if kind == "list":
         return LISTING
-    if now is None:
-        return OTHER
-    if kind != "path":
+    if now is None or kind != "path":
         return OTHER
     if was == "" or now == "":
         return PRESENCE
@@ -147,7 +145,6 @@ def _digest(output: bytes) -> str:
 def _probe(out: TextIO) -> None:
     """Wrap the lookup, the candidates and the workspace digests so that each reports to `out`."""
     from tvcache import reads, rollout
-    from tvcache.sandboxes._syscalls import openat2
     from tvcache.sandboxes.workspace import _reads
 
     lock = threading.Lock()
@@ -166,7 +163,7 @@ def _probe(out: TextIO) -> None:
             described.add(digest)
             content = None
             if stat.S_ISREG(seen.st_mode):
-                fd = openat2(self._rfd, path, os.O_PATH | os.O_NOFOLLOW, resolve=_reads._CANONICAL)
+                fd = self.open_canonical(path, os.O_PATH | os.O_NOFOLLOW)
                 try:
                     content = self._content(fd, seen)
                 finally:
@@ -205,12 +202,8 @@ def _probe(out: TextIO) -> None:
 
     async def probed_choose(candidates: Sequence[reads.Candidate], state: Mapping[str, str], base: Any) -> Any:
         found = await choose(candidates, state, base)
-        record: dict[str, Any] = {
-            "ev": "lookup",
-            "id": current.get()[0],
-            "call": current.get()[1],
-            "task": current.get()[2],
-        }
+        n, call, task = current.get()
+        record: dict[str, Any] = {"ev": "lookup", "id": n, "call": call, "task": task}
         record["candidates"] = len(candidates)
         record["hit"] = found is not None
         if candidates and found is None:
