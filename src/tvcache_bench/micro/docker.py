@@ -45,8 +45,9 @@ FILES, FILE_SIZE = 6000, 30_000
 #: Snapshots taken of a sandbox writing 1 MB before each, the same number for both backends: the last one's restore
 #: copies SNAPSHOTS MB.
 SNAPSHOTS = 10
+SNAPSHOT_1MB = "snapshot (1 MB diff)"
 RESTORE_1MB, RESTORE_ALL = "restore (1 MB written)", f"restore ({SNAPSHOTS} MB written)"
-_TARGETED = ("snapshot (1 MB diff)", RESTORE_1MB)
+_TARGETED = (SNAPSHOT_1MB, RESTORE_1MB)
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 TARGET_MS, TARGET_RATIO, TARGET_HOLD = 5.0, 50.0, 0.85
 DOCKERFILE = f"""\
@@ -104,7 +105,7 @@ async def _operations(boxes: Any, repeats: int) -> dict[str, dict[str, float]]:
         start = time.perf_counter()
         snaps.append(await warm.snapshot())
         snap_times.append(time.perf_counter() - start)
-    ops["snapshot (1 MB diff)"] = snap_times
+    ops[SNAPSHOT_1MB] = snap_times
     ops[RESTORE_1MB] = await _timed(repeats, lambda: boxes.restore(snaps[0]))
     ops[RESTORE_ALL] = await _timed(repeats, lambda: boxes.restore(snaps[-1]))
     ops["one `true`"] = await _timed(repeats * 2, lambda: warm.execute(true))
@@ -164,10 +165,10 @@ async def run(*, repeats: int = 10, concurrency: tuple[int, ...] = CONCURRENCY) 
     # A fork is a snapshot then a restore of it (1 MB written): a copy of the upper dir + a container with it,
     # against a copy into a layer + a sandbox with a copy of the layer.
     def fork(ops: dict[str, dict[str, float]]) -> float:
-        return ops["snapshot (1 MB diff)"]["median_ms"] + ops[RESTORE_1MB]["median_ms"]
+        return ops[SNAPSHOT_1MB]["median_ms"] + ops[RESTORE_1MB]["median_ms"]
 
     ratios = {
-        "snapshot": docker_ops["snapshot (1 MB diff)"]["median_ms"] / layered_ops["snapshot (1 MB diff)"]["median_ms"],
+        "snapshot": docker_ops[SNAPSHOT_1MB]["median_ms"] / layered_ops[SNAPSHOT_1MB]["median_ms"],
         "restore": docker_ops[RESTORE_1MB]["median_ms"] / layered_ops[RESTORE_1MB]["median_ms"],
         "fork": fork(docker_ops) / fork(layered_ops),
     }
