@@ -99,6 +99,21 @@ async def ebpf_box(files: dict[str, str]) -> AsyncIterator[tuple[WorkspaceSandbo
             yield boxes, boxes._ebpf, await boxes.create()
 
 
+def group_of(box: Any) -> int:
+    """The cgroup id of a workspace sandbox's group, as the eBPF tracer watches it."""
+    cgroup = box._made_cgroup()
+    assert cgroup is not None and cgroup.core is not None
+    return os.stat(cgroup.core).st_ino
+
+
+def unwatched_window(tracer: _ebpf.Bpftrace, group: int) -> _ebpf.Window:
+    """A window on `group` kept on this side alone, never put in the kernel's map: it sees what the kernel prints."""
+    window = _ebpf.Window(group, 0, tracer.lost_count)
+    with tracer._lock:
+        tracer._windows[group] = window
+    return window
+
+
 def bash(command: str) -> ToolCall:
     return ToolCall("bash", {"command": command})
 
@@ -279,26 +294,23 @@ def test_a_probe_right_before_the_exit_is_in_the_read_set() -> None:
     buffer has been read past the command's end, not take what the reader has so far (then: no event at all)."""
 
     async def main() -> None:
-        with tree({"a.txt": "A\n"}) as base:
-            async with factory(base, "ebpf") as boxes:
-                await uses(boxes, "ebpf")
-                assert boxes._ebpf is not None and boxes._ebpf._proc is not None
-                pid = boxes._ebpf._proc.pid
-                box = await boxes.create()
-                run = box._run
+        async with ebpf_box({"a.txt": "A\n"}) as (_, tracer, box):
+            assert tracer._proc is not None
+            pid = tracer._proc.pid
+            run = box._run
 
-                async def behind(command: str) -> Any:
-                    os.kill(pid, signal.SIGSTOP)
-                    try:
-                        return await run(command)
-                    finally:
-                        threading.Timer(0.5, os.kill, (pid, signal.SIGCONT)).start()
+            async def behind(command: str) -> Any:
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    return await run(command)
+                finally:
+                    threading.Timer(0.5, os.kill, (pid, signal.SIGCONT)).start()
 
-                box._run = behind  # type: ignore[method-assign]
-                for _ in range(3):
-                    done = await box.execute(bash("exec /usr/bin/test -e /testbed/probe"))
-                    assert done.output == {"output": "", "exit_code": 1} and done.reads is not None
-                    assert done.reads.get("path:/testbed/probe") == "" and "walk:/testbed" in done.reads
+            box._run = behind  # type: ignore[method-assign]
+            for _ in range(3):
+                done = await box.execute(bash("exec /usr/bin/test -e /testbed/probe"))
+                assert done.output == {"output": "", "exit_code": 1} and done.reads is not None
+                assert done.reads.get("path:/testbed/probe") == "" and "walk:/testbed" in done.reads
 
     asyncio.run(main())
 
@@ -316,13 +328,9 @@ def test_the_ebpf_tracer_prints_only_the_commands_it_watches() -> None:
                 tracer = traced._ebpf
                 assert tracer is not None
                 box = await plain.create()
-                cgroup = box._made_cgroup()
-                assert cgroup is not None and cgroup.core is not None
-                group = os.stat(cgroup.core).st_ino
+                group = group_of(box)
                 command = bash("cat /testbed/a.txt")
-                unwatched = _ebpf.Window(group, 0, tracer.lost_count)
-                with tracer._lock:
-                    tracer._windows[group] = unwatched
+                unwatched = unwatched_window(tracer, group)
                 assert (await box.execute(command)).output == {"output": "A\n", "exit_code": 0}
                 assert await asyncio.to_thread(tracer.collect, unwatched) == ([], _ebpf.NOT_WATCHED)
                 assert unwatched.events == []
@@ -354,12 +362,7 @@ def test_a_cancelled_command_stops_its_watch() -> None:
                 await call
             assert tracer._windows == {}
             # And the kernel's map: a window kept on this side alone finds the group unwatched when it closes.
-            cgroup = box._made_cgroup()
-            assert cgroup is not None and cgroup.core is not None
-            group = os.stat(cgroup.core).st_ino
-            spy = _ebpf.Window(group, 0, tracer.lost_count)
-            with tracer._lock:
-                tracer._windows[group] = spy
+            spy = unwatched_window(tracer, group_of(box))
             assert (await asyncio.to_thread(tracer.collect, spy))[1] == _ebpf.NOT_WATCHED
 
     asyncio.run(main())
@@ -374,13 +377,11 @@ def test_a_command_the_tracer_had_no_room_to_watch_has_no_read_set() -> None:
     async def main() -> None:
         async with ebpf_box({"a.txt": "A\n"}) as (_, tracer, box):
             command = bash("cat /testbed/a.txt")
-            cgroup = box._made_cgroup()
-            assert cgroup is not None and cgroup.core is not None
             others = [tracer.begin((1 << 40) + k) for k in range(4096)]  # groups that do not exist
             try:
                 done = await box.execute(command)
                 assert done.output == {"output": "A\n", "exit_code": 0} and done.reads is None
-                window = tracer.begin(os.stat(cgroup.core).st_ino)
+                window = tracer.begin(group_of(box))
                 assert (await asyncio.to_thread(tracer.collect, window))[1] == _ebpf.NOT_WATCHED
             finally:
                 for other in others:
