@@ -283,3 +283,22 @@ def test_build_workload_covers_the_tasks_asked_for(marshmallow: swe.Base) -> Non
         assert isinstance(boxes, swe.MaskedSandboxes)
     finally:
         asyncio.run(workload.close())
+
+
+def test_each_command_starts_in_a_new_shell_in_testbed(marshmallow: swe.Base) -> None:
+    """As mini-swe-agent ran the traced commands (`docker exec -w /testbed ... bash -lc`): a `cd` or an export in
+    one command does not carry over, so a command after `cd /tmp && ...` lists /testbed, as the traces show."""
+    commands = ["cd /tmp && export X=1 && pwd", "pwd; echo ${X-unset}; cd src && pwd", "exit 3", "pwd"]
+
+    async def go() -> list[Any]:
+        boxes = swe.make_sandboxes(marshmallow, timeout=60, tmp=TMP)
+        try:
+            box = await boxes.create()
+            return [await box.execute(ToolCall("bash", {"command": c})) for c in commands]
+        finally:
+            await boxes.close()
+
+    out = asyncio.run(go())
+    assert [o.output["output"] for o in out] == ["/tmp\n", "/testbed\nunset\n/testbed/src\n", "", "/testbed\n"]
+    assert [o.output["exit_code"] for o in out] == [0, 0, 3, 0]
+    assert [o.changed for o in out] == [False, False, False, False]  # moving about is no state change

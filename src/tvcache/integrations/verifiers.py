@@ -58,6 +58,7 @@ from verifiers.v1.utils.loaders import harness_class  # noqa: E402
 from ..cache import ToolCache  # noqa: E402
 from ..calls import ToolCall, Tools  # noqa: E402
 from ..rollout import Result, Rollout  # noqa: E402
+from ..sandboxes._shell import fresh_shell  # noqa: E402
 from ..sandboxes.base import Outcome, Output, Sandbox, Sandboxes  # noqa: E402
 from . import streams  # noqa: E402
 from .process import process_cache  # noqa: E402
@@ -238,7 +239,7 @@ async def _run_tool(opened: _Open, name: str, args: dict[str, Any]) -> str:
         return str((await opened.call(HARNESS_BASH, call)).output)
     encoded = base64.b64encode(json.dumps(args).encode()).decode()
     edit = f"python3 -c {shlex.quote(_EDIT)} {encoded}"
-    return _text(await opened.call("bash", {"command": _from_workdir(opened.workdir, edit)}))
+    return _text(await opened.call("bash", {"command": fresh_shell(opened.workdir, edit)}))
 
 
 #: The tool that runs a command as the harness's `run_bash` does (`HarnessSandboxes`).
@@ -271,7 +272,7 @@ class HarnessSandbox(CommandSandbox):
         args = call.args
         assert isinstance(args, dict)
         command, seconds = str(args["command"]), int(args["timeout"])
-        code = _from_workdir(args.get("workdir"), streams.script("bash -c", command, seconds))
+        code = fresh_shell(args.get("workdir"), streams.script("bash -c", command, seconds))
         outcome = await self.inner.execute(ToolCall("bash", {"command": code}))
         out = outcome.output
         captured = streams.parse(str(out.get("output", ""))) if isinstance(out, dict) and not outcome.error else None
@@ -285,13 +286,6 @@ class HarnessSandbox(CommandSandbox):
             return Outcome(f"error: {exc}", outcome.changed)
         # stdout then stderr, decoded as `subprocess.run(text=True)` decodes them (UTF-8, universal newlines)
         return Outcome(decoded[0] + decoded[1], outcome.changed)
-
-
-def _from_workdir(workdir: str | None, command: str) -> str:
-    """`command` as the harness runs it: in a fresh shell (a subshell here) started in the working directory, so
-    neither its `cd` nor its exports carry over to the next command."""
-    start = "" if workdir is None else f"cd {shlex.quote(workdir)} || exit\n"
-    return f"(\n{start}{command}\n)"
 
 
 def _text(result: Result | Output) -> str:
@@ -346,7 +340,7 @@ class CachedRuntime(vf.Runtime):
         variables = self.process_env(env)
         if variables:
             command = f"env {' '.join(shlex.quote(f'{k}={v}') for k, v in sorted(variables.items()))} {command}"
-        result = await self._opened.call("bash", {"command": _from_workdir(self._workdir, command)})
+        result = await self._opened.call("bash", {"command": fresh_shell(self._workdir, command)})
         out = result.output if isinstance(result.output, dict) else {}
         code = out.get("exit_code")
         if result.error or code is None:
@@ -371,7 +365,7 @@ class CachedRuntime(vf.Runtime):
         except UnicodeDecodeError:  # binary: through base64 in a shell, since write_file takes text
             encoded = base64.b64encode(data).decode()
             command = f"printf %s {encoded} | base64 -d > {shlex.quote(self._path(path))}"
-            result = await self._opened.call("bash", {"command": _from_workdir(self._workdir, command)})
+            result = await self._opened.call("bash", {"command": fresh_shell(self._workdir, command)})
         else:
             result = await self._opened.call("write_file", {"path": self._path(path), "content": text})
         if result.error or (isinstance(result.output, dict) and "error" in result.output):

@@ -30,6 +30,7 @@ import contextlib
 import fcntl
 import os
 import select
+import shlex
 import signal
 import subprocess
 import threading
@@ -45,6 +46,7 @@ __all__ = [
     "CommandResult",
     "ShellState",
     "bounded_text",
+    "fresh_shell",
     "parse_state",
     "run_bash",
     "state_script",
@@ -179,6 +181,14 @@ def unfinished(output: str, error: str) -> Outcome:
     """A command that did not finish (timed out, its shell killed): what it printed, no exit code, and why; an
     error, so never cached."""
     return Outcome({"output": output, "exit_code": None, "error": error}, None, True)
+
+
+def fresh_shell(workdir: str | None, command: str) -> str:
+    """`command` as a harness that starts every command in a new shell runs it (verifiers' bash harness,
+    mini-swe-agent's `docker exec -w WORKDIR ... bash -lc`): in a subshell started in `workdir`, so that neither its
+    `cd` nor its exports carry over to the next command, as they do in a sandbox's `bash` tool."""
+    start = "" if workdir is None else f"cd {shlex.quote(workdir)} || exit\n"
+    return f"(\n{start}{command}\n)"
 
 
 def bash_quote(value: bytes) -> bytes:

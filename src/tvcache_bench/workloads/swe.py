@@ -19,7 +19,10 @@ names each instance's PyPI project and the version its traces show installed.
   third-party modules its tests import (found by reading the test files; installed best-effort).
 
 A sandbox mounts `testbed/` at `/testbed` and `env/` at `/opt/venv` (over the host's read-only `/`), with
-`/opt/venv/bin` first on PATH, so `python`, `pip` and `pytest` are that environment. The network is off, as
+`/opt/venv/bin` first on PATH, so `python`, `pip` and `pytest` are that environment. Every command starts
+in a new shell in `/testbed`, as mini-swe-agent ran the traced ones (`docker exec -w /testbed ... bash -lc`; a
+subshell here, not a login shell: the host's login scripts are not the traced image's), so a `cd` or an export
+does not carry over to the next command. The network is off, as
 during training. The sandbox's environment variables make reads look like reads and outputs reproducible:
 `PYTHONDONTWRITEBYTECODE=1` and `PYTEST_ADDOPTS=-p no:cacheprovider` (running code or tests writes no
 `__pycache__` or `.pytest_cache` into the tree), `GIT_OPTIONAL_LOCKS=0` (`git status` does not rewrite the
@@ -63,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from tvcache.calls import ToolCall, Tools
+from tvcache.sandboxes._shell import fresh_shell
 from tvcache.sandboxes.base import Outcome, Sandbox, Sandboxes
 from tvcache.sandboxes.reclaim import scratch_dir
 
@@ -87,6 +91,7 @@ __all__ = [
 
 #: Where a sandbox sees a base's environment (its scripts' `#!` lines say so).
 ENV_MOUNT = "/opt/venv"
+TESTBED = "/testbed"  # where the traces' commands start (`workdir` in swe-dev-instances.json)
 #: Seconds a command may run in the sandbox before it is killed (pytest on a whole suite can take minutes).
 TIMEOUT = 60.0
 #: The instance's version in SWE-bench, for instances whose traces do not show which version was installed.
@@ -604,14 +609,16 @@ def _recentre(line: re.Match[str]) -> str:
 
 
 class MaskedSandboxes:
-    """Workspace sandboxes whose bash outputs have their test durations masked (`mask_durations`)."""
+    """Workspace sandboxes that run each bash command as mini-swe-agent ran the traced ones, in a new shell in
+    /testbed (`docker exec -w /testbed ... bash -lc`: a `cd` or an export does not carry over to the next
+    command), and mask the test durations in its output (`mask_durations`)."""
 
     def __init__(self, inner: Sandboxes):
         self.inner = inner
 
     @property
     def fingerprint(self) -> str:
-        return f"{self.inner.fingerprint}+mask-durations-2"
+        return f"{self.inner.fingerprint}+mask-durations-2+fresh-shell"
 
     async def create(self) -> Sandbox:
         return _Masked(await self.inner.create())
@@ -638,6 +645,9 @@ class _Masked:
         self.inner = inner
 
     async def execute(self, call: ToolCall) -> Outcome:
+        args = call.args
+        if isinstance(args, dict) and isinstance(args.get("command"), str):
+            call = ToolCall(call.tool, {**args, "command": fresh_shell(TESTBED, args["command"])})
         outcome = await self.inner.execute(call)
         output = outcome.output
         if isinstance(output, dict) and isinstance(output.get("output"), str):
@@ -661,9 +671,9 @@ def make_sandboxes(
     from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
     workspace = WorkspaceSandboxes(
-        {"/testbed": str(base.testbed), ENV_MOUNT: str(base.env)},
+        {TESTBED: str(base.testbed), ENV_MOUNT: str(base.env)},
         env=sandbox_env(base),
-        cwd="/testbed",
+        cwd=TESTBED,
         timeout=timeout,
         network=False,
         tmp=tmp,
