@@ -84,13 +84,21 @@ def summarise(lines: Iterable[str], out: TextIO = sys.stdout) -> dict[str, Any]:
     blocked: collections.Counter[str] = collections.Counter()
     keys: collections.Counter[str] = collections.Counter()
     coincide = 0  # of the calls whose candidates all differed: those that answered as one of them had all the same
+    # Where each call ran and was looked up, by the same call in the same task (the scope candidates are shared in).
+    runs: dict[tuple[str, str], list[tuple[int, dict[str, Any]]]] = collections.defaultdict(list)
+    first_asked: dict[tuple[str, str], int] = {}
+    for i, r in enumerate(records):
+        if r["ev"] == "exec":
+            runs[(r["task"], r["call"])].append((i, r))
+        elif r["ev"] == "lookup":
+            first_asked.setdefault((r["task"], r["call"]), i)
     for i, r in enumerate(records):
         if r["ev"] != "exec":
             continue
         at, lookup = looked.get(r["id"], (i, None))
-        same = (r["task"], r["call"])  # the same call in the same task (the scope candidates are shared in)
-        before = [e for e in records[:at] if e["ev"] == "exec" and (e["task"], e["call"]) == same]
-        asked = any(e["ev"] == "lookup" and (e["task"], e["call"]) == same for e in records[:at])
+        same = (r["task"], r["call"])
+        before = [e for j, e in runs[same] if j < at]
+        asked = first_asked.get(same, at) < at
         if lookup is None:
             misses["no second phase: the rollout's state is unknown (an edge whose writes are unknown)"] += 1
         elif lookup["candidates"]:
