@@ -19,6 +19,7 @@ import pytest
 from rich.console import Console
 
 from tvcache import PythonSandboxes, Result, Tools
+from tvcache.rollout import RolloutStats
 from tvcache.sandboxes.base import Sandboxes
 from tvcache_bench import cli as replay_cli
 from tvcache_bench.data import workload_path
@@ -85,6 +86,10 @@ class Recorder(Strategy):
         recorder = self
 
         class Wrapped:
+            @property
+            def stats(self) -> RolloutStats:
+                return inner.stats
+
             async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
                 recorder.calls[me].append(int((args or {})["i"]))
                 await asyncio.sleep(recorder.delay)
@@ -185,6 +190,10 @@ class Liar(Strategy):
         count = [0]
 
         class Lying:
+            @property
+            def stats(self) -> RolloutStats:
+                return inner.stats
+
             async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
                 result = await inner.call(tool, args)
                 position = (me, count[0])
@@ -238,6 +247,8 @@ def test_an_answer_that_depends_on_the_pace_of_calls_is_not_counted_as_wrong() -
             async with super().rollout(task, sandboxes, tools) as inner:
 
                 class Paused:
+                    stats = inner.stats
+
                     async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
                         await asyncio.sleep(1.2)
                         return await inner.call(tool, args)
@@ -417,6 +428,12 @@ def test_reports(tmp_path: Path) -> None:
         for key in ("hit_rate", "incorrect_hits", "executions", "median_call_seconds", "total_tool_seconds"):
             assert key in row
     assert figures["strategies"]["none"]["executions"] == 2 * 2 * 3 * 5
+    assert figures["strategies"]["none"]["paired"] is None  # the baseline of the others' paired cost
+    for name in ("naive", "paper", "tvcache"):
+        pairs = figures["strategies"][name]["paired"]
+        assert pairs["baseline"] == "none" and pairs["commands"] > 0 and pairs["median_ratio"] > 0
+        assert pairs["cpu_commands"] == 0 and pairs["median_cpu_ratio"] is None  # Python sandboxes measure no CPU
+    assert "paired commands: the same calls executed by the strategy and by none" in tables
     assert len(figures["strategies"]["tvcache"]["epoch_hit_rates"]) == 2
     charts = write_charts(result, tmp_path / "charts")
     assert len(charts) == 4

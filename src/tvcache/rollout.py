@@ -82,7 +82,17 @@ class RolloutStats:
     calls: int = 0
     hits: int = 0
     executions: int = 0  # tool executions for this rollout's calls (replays not counted)
+    seconds_executing: float = 0.0  # their wall time (the executions alone: no lookup, restore or replay)
+    cpu_executions: int = 0  # of `executions`: those whose sandbox measured their CPU time (`Outcome.cpu_seconds`)
+    cpu_seconds: float = 0.0  # the CPU time those used
     seconds_saved: float = 0.0  # recorded execution time of its hits
+
+    def add_execution_time(self, seconds: float, cpu_seconds: float | None) -> None:
+        """Count an execution's wall time and, where its sandbox measured it, its CPU time."""
+        self.seconds_executing += seconds
+        if cpu_seconds is not None:
+            self.cpu_executions += 1
+            self.cpu_seconds += cpu_seconds
 
 
 class _Claim:
@@ -473,6 +483,7 @@ class Rollout:
                 await self._live.drop()
             raise
         stats.seconds_executing += seconds
+        self.stats.add_execution_time(seconds, outcome.cpu_seconds)
         return outcome, blob, seconds
 
     async def close(self) -> None:

@@ -47,7 +47,8 @@ from tvcache.graph import encode_output
 from tvcache.rollout import Result
 from tvcache.sandboxes.base import Sandboxes
 
-from .strategies import Strategy, as_cached, make_strategy
+from .paired import Execution, Key, paired
+from .strategies import Strategy, StrategyRollout, as_cached, make_strategy
 from .traces import Trace, task_order
 from .turns import TurnTime
 from .workload import Workload
@@ -144,6 +145,7 @@ class StrategyRun:
     nondeterministic: int | None = None  # answers that differed from the oracle's, as did a re-execution
     samples: list[float] = field(default_factory=list)  # per-call seconds, in completion order
     hit_samples: list[float] = field(default_factory=list)  # the seconds of the hits among them
+    executed: dict[Key, Execution] = field(default_factory=dict)  # the calls it executed, for their paired cost
     epoch_calls: list[int] = field(default_factory=list)
     epoch_hits: list[int] = field(default_factory=list)
     tool_calls: dict[str, int] = field(default_factory=dict)  # per tool name: calls answered or failed
@@ -260,6 +262,7 @@ class StrategyRun:
             "wall_seconds": self.wall_seconds,
             "speedup_total": speedup_total,
             "speedup_median": speedup_median,
+            "paired": None if baseline in (None, self) else paired(self.executed, baseline.executed, "none"),
             "peak_memory_bytes": self.peak_memory_bytes,
             "epoch_hit_rates": self.epoch_hit_rates(),
             "tool_hit_rates": self.tool_hit_rates(),
@@ -465,6 +468,7 @@ class _Engine:
                             await asyncio.sleep(turn)
                             self.run_.turn_seconds += turn
                         start = time.perf_counter()
+                        before = _executing(r)
                         try:
                             result = await asyncio.wait_for(r.call(c.tool, c.args), self.options.timeout)
                         except TimeoutError:
@@ -473,7 +477,8 @@ class _Engine:
                             self.count(epoch, index, i, None, time.perf_counter() - start, why)
                             answered = i + 1
                             break  # the sandbox's state is unknown now: the rollout ends, as it would in training
-                        self.count(epoch, index, i, result, time.perf_counter() - start)
+                        seconds = time.perf_counter() - start
+                        self.count(epoch, index, i, result, seconds, execution=_execution(before, _executing(r)))
                         answered = i + 1
             except Exception as exc:
                 self.run_.failed_rollouts += 1
@@ -488,8 +493,18 @@ class _Engine:
         for _ in range(len(trace.calls) - answered):
             self.advance()
 
-    def count(self, epoch: int, index: int, call: int, result: Result | None, seconds: float, why: str = "") -> None:
-        """Count call `call` of rollout `index`: its answer `result`, or None when it failed with `why`."""
+    def count(
+        self,
+        epoch: int,
+        index: int,
+        call: int,
+        result: Result | None,
+        seconds: float,
+        why: str = "",
+        execution: tuple[float, float | None] | None = None,
+    ) -> None:
+        """Count call `call` of rollout `index`: its answer `result`, or None when it failed with `why`; `execution`
+        is the wall and CPU seconds (None: unmeasured) of the call's execution, when it was executed."""
         run = self.run_
         run.calls += 1
         run.epoch_calls[epoch] += 1
@@ -507,6 +522,8 @@ class _Engine:
             run.hit_samples.append(seconds)
             run.read_set_hits += result.source == "reads"
         answer = _digest(result.output)
+        if execution is not None and not result.hit:
+            run.executed[(epoch, index, call)] = Execution(*execution, answer)
         if self.oracle_out is not None:
             self.oracle_out[(epoch, index, call)] = answer
         if self.oracle is None:
@@ -538,6 +555,23 @@ class _Engine:
             run.lost += 1
             if run.first_lost is None:
                 run.first_lost = where
+
+
+_Counted = tuple[int, float, int, float]  # a rollout's executions, their seconds, CPU-measured ones, CPU seconds
+
+
+def _executing(rollout: StrategyRollout) -> _Counted:
+    s = rollout.stats
+    return (s.executions, s.seconds_executing, s.cpu_executions, s.cpu_seconds)
+
+
+def _execution(before: _Counted, after: _Counted) -> tuple[float, float | None] | None:
+    """The wall and CPU seconds (None: unmeasured) of the one execution a call made between two counts of its
+    rollout's executions; None when it made none (a hit) or more (not one command's cost)."""
+    if after[0] != before[0] + 1:
+        return None
+    cpu = after[3] - before[3] if after[2] == before[2] + 1 else None
+    return after[1] - before[1], cpu
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,6 +133,10 @@ def print_table(result: ReplayResult, console: Console | None = None) -> None:
     console.print(main, width=width)
     console.print(detail, width=width)
     console.print(_breakdown_table(summary), width=width)
+    if compared:
+        console.print(_paired_table(summary), width=width)
+    else:
+        console.print("paired cost of commands: no baseline (no 'none' strategy in this run)", width=width)
     for line in _footnotes(result, summary):
         console.print(line, highlight=False, width=width)
     legend = Table.grid(padding=(0, 1))  # a grid, so that long meanings wrap under themselves
@@ -165,6 +169,36 @@ def _breakdown_table(summary: dict[str, Any]) -> Table:
     for name, row in summary["strategies"].items():
         table.add_row(name, *(_part_seconds(row["time_breakdown"][part]) for part in BREAKDOWN))
     return table
+
+
+def _paired_table(summary: dict[str, Any]) -> Table:
+    """Per strategy, its executed commands against no cache's executions of the same calls (see `paired.py`)."""
+    table = Table(title="paired commands: the same calls executed by the strategy and by none", title_justify="left")
+    columns = ("pairs", "left out", "wall", "none wall", "ratio", "cpu", "none cpu", "cpu ratio")
+    table.add_column("strategy")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for name, row in summary["strategies"].items():
+        p = row["paired"]
+        if p is None:
+            continue
+        cpu = p["cpu_commands"] > 0
+        table.add_row(
+            name,
+            str(p["commands"]),
+            str(p["unpaired"] + p["different_answers"]),
+            format_seconds(p["seconds"]),
+            format_seconds(p["baseline_seconds"]),
+            _plain_ratio(p["median_ratio"]),
+            format_seconds(p["cpu_seconds"]) if cpu else "-",
+            format_seconds(p["baseline_cpu_seconds"]) if cpu else "-",
+            _plain_ratio(p["median_cpu_ratio"]),
+        )
+    return table
+
+
+def _plain_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _part_seconds(seconds: float) -> str:
@@ -234,6 +268,27 @@ def _legend(strategies: dict[str, Any]) -> list[tuple[str, str]]:
         lines.append(
             ("median speedup", "none's median call / the strategy's: a typical call (a hit takes microseconds)")
         )
+        lines += [
+            (
+                "paired commands",
+                "each call the strategy executed (a miss) paired with none's execution of the same call of the same "
+                "rollout and epoch, when both ran it without error and answered alike: the same command after the "
+                "same history, so the same work; the execution alone, without lookup, creation, restore, replay "
+                "or snapshot",
+            ),
+            ("pairs", "how many calls were paired"),
+            ("left out", "executions not paired: none did not execute that call without error, or answered otherwise"),
+            ("wall", "the pairs' wall time under the strategy"),
+            ("none wall", "the same pairs' wall time under none"),
+            ("ratio", "the median over the pairs of the strategy's wall time / none's: above 1, they cost more"),
+            (
+                "cpu",
+                "the CPU time the pairs' processes used under the strategy (the sandbox's cgroup; '-' where the "
+                "sandbox does not measure it): it moves less with the machine's load than wall time does",
+            ),
+            ("none cpu", "the same pairs' CPU time under none"),
+            ("cpu ratio", "the median over the pairs of the strategy's CPU time / none's"),
+        ]
     lines.append(
         (
             "rollout time",

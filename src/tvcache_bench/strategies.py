@@ -12,7 +12,9 @@
 - `exact`: `ToolCache(read_sets=False)`: tvcache on exact history alone, the baseline of reuse by what a call read.
 
 A strategy hands out rollouts (`async with strategy.rollout(task, sandboxes, tools) as r`) whose
-`await r.call(tool, args)` returns a `Result` (output, hit, seconds, source, error), and keeps `stats()`.
+`await r.call(tool, args)` returns a `Result` (output, hit, seconds, source, error) and whose `r.stats` counts
+the rollout's own executions as tvcache's `RolloutStats` does (their wall and CPU time, for the paired cost of a
+command), and keeps `stats()`.
 Every strategy creates its sandboxes lazily, on the first call that needs one, so the time to make a sandbox
 is inside the first executed call's seconds for all of them alike.
 """
@@ -30,7 +32,7 @@ from typing import Any, Protocol
 from tvcache.cache import ToolCache
 from tvcache.calls import ToolCall, Tools
 from tvcache.graph import decode_output, encode_output
-from tvcache.rollout import Result
+from tvcache.rollout import Result, RolloutStats
 from tvcache.sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes
 
 __all__ = [
@@ -50,6 +52,8 @@ STRATEGIES = ("none", "naive", "paper", "tvcache", "exact")
 
 
 class StrategyRollout(Protocol):
+    stats: RolloutStats
+
     async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result: ...
 
 
@@ -129,6 +133,7 @@ class _OwnSandbox:
         self._sandboxes = sandboxes
         self._counters = counters
         self.box: Sandbox | None = None
+        self.stats = RolloutStats()  # the rollout's own executions (replays go to the box directly)
 
     async def get(self) -> Sandbox:
         if self.box is None:
@@ -148,8 +153,11 @@ class _OwnSandbox:
             self._counters.failures += 1
             await self.drop()
             raise
-        self._counters.seconds_executing += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self._counters.seconds_executing += seconds
         self._counters.failures += outcome.error
+        self.stats.executions += 1
+        self.stats.add_execution_time(seconds, outcome.cpu_seconds)
         return outcome
 
     async def drop(self) -> None:
@@ -183,6 +191,7 @@ class NoCacheStrategy(Strategy):
 class _DirectRollout:
     def __init__(self, own: _OwnSandbox, tools: Tools, counters: Counters):
         self._own = own
+        self.stats = own.stats
         self._tools = tools
         self._counters = counters
 
@@ -223,6 +232,7 @@ class _NaiveRollout:
         self._strategy = strategy
         self._scope = scope
         self._own = own
+        self.stats = own.stats
         self._tools = tools
 
     async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
@@ -284,6 +294,7 @@ class _PaperRollout:
         self._strategy = strategy
         self._sandboxes = sandboxes
         self._own = own
+        self.stats = own.stats
         self._tools = tools
         self._prefix = root
         self._path: list[tuple[bytes, ToolCall]] = []  # state-changing calls: (prefix after it, call)

@@ -8,7 +8,7 @@ backend can run its work in threads, subprocesses or over the network without bl
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ..calls import ToolCall
@@ -57,6 +57,9 @@ class Outcome:
     any state with those digests writes (its effect depends on nothing unobserved: no clock, no randomness). A
     sandbox that cannot vouch for that gives `reads` None for a state-changing call. (The cache takes the digest of
     a key the call both read and wrote from its own record of the state before the call, not from the sandbox.)
+
+    `cpu_seconds` is the CPU time the call's processes used, where the sandbox measures it (a workspace command:
+    its sandbox's cgroup), else None; a measurement, so outcomes compare without it.
     """
 
     output: Output
@@ -64,6 +67,7 @@ class Outcome:
     error: bool = False
     reads: Mapping[str, str] | None = None
     writes: Mapping[str, str] | None = None
+    cpu_seconds: float | None = field(default=None, compare=False)
 
 
 def refusal(output: Output) -> Outcome:

@@ -572,12 +572,17 @@ class WorkspaceSandbox(ManagedSandbox):
             trace: bytes | None = None
             tail = b""
             events: tuple[list[_ebpf.Event], str | None] | None = None
+            cpu = None
             if tool == "bash":
-                hits = self._cgroup.hits() if self._cgroup else (0, 0)
+                cgroup = self._made_cgroup()
+                hits = cgroup.hits() if cgroup else (0, 0)
+                used = cgroup.cpu_seconds() if cgroup else None
                 try:
                     result, events = await self._run_watched(args["command"])
                 except OSError as exc:  # the machinery failed (e.g. a missing binary): not the command
                     return Outcome({"error": f"could not start the command: {exc}"}, None, True)
+                if cgroup and used is not None:
+                    cpu = (cgroup.cpu_seconds() or 0.0) - used
                 if not result.started:
                     why = f"the sandbox could not start the command: {result.output.strip()[-2000:]}"
                     return Outcome({"error": why}, None, True)
@@ -602,8 +607,9 @@ class WorkspaceSandbox(ManagedSandbox):
             if failure is not None:
                 return Outcome({**output, "error": failure}, changed, True)
             if not self._factory.read_sets:
-                return Outcome(output, changed)
-            return await self._observed(call, output, changed, files_changed, recent, before, trace, tail, events)
+                return Outcome(output, changed, cpu_seconds=cpu)
+            observed = await self._observed(call, output, changed, files_changed, recent, before, trace, tail, events)
+            return replace(observed, cpu_seconds=cpu)
 
     async def _observed(
         self,

@@ -194,6 +194,11 @@ class SandboxCgroup:
         """(OOM kills, refused forks) so far."""
         return _count(self.oom_events, "oom_kill"), _count(self.pids_events, "max")
 
+    def cpu_seconds(self) -> float | None:
+        """The CPU time the sandbox's processes used so far (`usage_usec` of its cgroup2 group's `cpu.stat`, which
+        the kernel keeps whether or not the cpu controller is enabled there); None without a cgroup2 group."""
+        return None if self.core is None else _count(self.core / "cpu.stat", "usage_usec") / 1e6
+
     def remove(self) -> None:
         if not self._removed:
             self._removed = True

@@ -269,6 +269,7 @@ class _Recording:
         self._inner = inner
         self._path = path
         self._tools = tools
+        self.stats = inner.stats
 
     async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
         before = self._inner.cursor

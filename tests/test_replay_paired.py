@@ -1,0 +1,136 @@
+"""The paired cost of a command in replay reports: each strategy's executions against no cache's executions of the
+same calls (`tvcache_bench.paired`), on real workspace sandboxes whose commands' CPU time their cgroups measure."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from tvcache import Result, Tools
+from tvcache.rollout import RolloutStats
+from tvcache.sandboxes.base import Sandboxes
+from tvcache_bench.paired import Execution, paired
+from tvcache_bench.replay import ReplayOptions, ReplayResult, replay
+from tvcache_bench.report import print_table, write_json
+from tvcache_bench.strategies import NoCacheStrategy, StrategyRollout, TvCacheStrategy
+from tvcache_bench.traces import Trace, TraceCall, write_traces
+from tvcache_bench.workload import load_workload
+
+# About 60 ms of CPU in bash before the command, printing nothing: the same answers at a much higher cost.
+BURN = "i=0; while [ $i -lt 30000 ]; do i=$((i+1)); done; "
+
+
+class Burning(NoCacheStrategy):
+    """No cache, but every command burns CPU first: a strategy whose commands cost more than none's."""
+
+    name = "burning"
+
+    @contextlib.asynccontextmanager
+    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[StrategyRollout]:
+        async with super().rollout(task, sandboxes, tools) as inner:
+
+            class Burned:
+                stats: RolloutStats = inner.stats
+
+                async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
+                    command = dict(args or {})["command"]
+                    return await inner.call(tool, {"command": BURN + command})
+
+            yield Burned()
+
+
+def test_pairs_are_the_same_calls_executed_without_error_and_answered_alike() -> None:
+    base = {
+        (0, 0, 0): Execution(1.0, 0.5, b"a"),
+        (0, 0, 1): Execution(2.0, None, b"b"),
+        (0, 0, 2): Execution(1.0, 1.0, b"c"),
+        (0, 1, 0): Execution(4.0, 2.0, b"d"),
+    }
+    mine = {
+        (0, 0, 0): Execution(2.0, 1.5, b"a"),  # paired: wall 2x, CPU 3x
+        (0, 0, 1): Execution(3.0, 1.0, b"b"),  # paired; CPU unmeasured on the baseline's side
+        (0, 0, 2): Execution(9.0, 9.0, b"other"),  # answered otherwise: left out
+        (1, 0, 0): Execution(5.0, 5.0, b"a"),  # another epoch, which the baseline never executed: left out
+        (0, 1, 0): Execution(2.0, 1.0, b"d"),  # paired: wall and CPU 0.5x
+    }
+    figures = paired(mine, base, "none")
+    assert figures["baseline"] == "none"
+    assert (figures["commands"], figures["unpaired"], figures["different_answers"]) == (3, 1, 1)
+    assert figures["seconds"] == 7.0 and figures["baseline_seconds"] == 7.0
+    assert figures["median_ratio"] == pytest.approx(1.5)  # of 2, 1.5 and 0.5
+    assert figures["cpu_commands"] == 2
+    assert figures["cpu_seconds"] == 2.5 and figures["baseline_cpu_seconds"] == 2.5
+    assert figures["median_cpu_ratio"] == pytest.approx((3.0 + 0.5) / 2)
+    nothing = paired({}, base, "none")
+    assert nothing["commands"] == 0 and nothing["median_ratio"] is None and nothing["median_cpu_ratio"] is None
+
+
+def workspace_replay(tmp_path: Path, strategies: list[Any]) -> ReplayResult:
+    """Two tasks of two rollouts each in real workspace sandboxes; one command prints the time, so its answers
+    differ between strategies (never the same work as far as the answers can tell)."""
+    base = tmp_path / "project"
+    base.mkdir()
+    (base / "a.txt").write_text("alpha\n")
+    commands = ["cat /testbed/a.txt", "echo $((6 * 7)) > /tmp/n && cat /tmp/n", "date +%s%N", "ls /tmp"]
+    traces = [
+        Trace(f"t{t}", f"r{r}", "", [TraceCall("bash", {"command": c}) for c in commands])
+        for t in range(2)
+        for r in range(2)
+    ]
+    write_traces(tmp_path / "t.jsonl", traces)
+
+    async def run() -> ReplayResult:
+        workload = await load_workload(tmp_path / "t.jsonl", "workspace", base=base, timeout=60)
+        try:
+            return await replay(workload, strategies, ReplayOptions(concurrency=2, progress=False))
+        finally:
+            await workload.close()
+
+    return asyncio.run(run())
+
+
+def test_paired_cost_on_workspace_commands_shows_a_strategy_whose_commands_cost_more(tmp_path: Path) -> None:
+    result = workspace_replay(tmp_path, [NoCacheStrategy(), TvCacheStrategy(), Burning()])
+    write_json(result, tmp_path / "out.json")
+    rows = json.loads((tmp_path / "out.json").read_text())["strategies"]
+    assert rows["none"]["paired"] is None  # the baseline itself
+    for name in ("tvcache", "burning"):
+        row, figures = rows[name], rows[name]["paired"]
+        assert figures["baseline"] == "none"
+        executed = len(result.strategies[name].executed)
+        assert executed == row["executions"] - row["errors"] > 0  # every executed call is measured, no hit
+        assert figures["commands"] + figures["unpaired"] + figures["different_answers"] == executed
+        assert figures["unpaired"] == 0  # none executed every call without error
+        assert figures["cpu_commands"] == figures["commands"] > 0  # the sandboxes' cgroups measured every command
+        assert figures["cpu_seconds"] > 0 and figures["baseline_cpu_seconds"] > 0
+    burning = rows["burning"]["paired"]
+    assert burning["different_answers"] == 4  # `date` in each rollout, executed by both and answered otherwise
+    assert burning["commands"] == 12
+    assert burning["median_cpu_ratio"] > 2  # about 60 ms of CPU against a few
+    assert burning["median_ratio"] > 1
+    assert burning["cpu_seconds"] > burning["baseline_cpu_seconds"]
+    tvcache = rows["tvcache"]
+    assert tvcache["hits"] > 0 and tvcache["paired"]["commands"] < burning["commands"]  # hits are no work: no pairs
+    out = io.StringIO()
+    print_table(result, Console(file=out, width=200))
+    table = out.getvalue().split("paired commands: the same calls")[1].split("\n\n")[0]
+    line = next(line for line in table.splitlines() if line.startswith("│ burning "))
+    cells = [c.strip() for c in line.strip("│ ").split("│")]
+    assert cells[1:3] == ["12", "4"]
+    assert cells[5] == f"{burning['median_ratio']:.2f}" and cells[8] == f"{burning['median_cpu_ratio']:.2f}"
+
+
+def test_without_no_cache_there_is_no_baseline(tmp_path: Path) -> None:
+    result = workspace_replay(tmp_path, [TvCacheStrategy()])
+    assert result.summary()["strategies"]["tvcache"]["paired"] is None
+    out = io.StringIO()
+    print_table(result, Console(file=out, width=200))
+    assert "paired cost of commands: no baseline" in out.getvalue()
