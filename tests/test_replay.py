@@ -30,6 +30,7 @@ from tvcache_bench.traces import Trace, TraceCall, write_traces
 from tvcache_bench.turns import TurnTime
 from tvcache_bench.workload import Workload
 from tvcache_bench.workloads import quick, synthetic
+from wrapped import Wrapped
 
 
 def traces_of(shape: list[tuple[str, int]], calls: int = 2) -> list[Trace]:
@@ -239,23 +240,11 @@ def test_an_answer_that_depends_on_the_pace_of_calls_is_not_counted_as_wrong() -
     traces = [Trace("t", "r", "", [TraceCall("tick", {"i": i}) for i in range(3)])]
     workload = Workload("ticks", traces, lambda task: boxes, Tools())
 
-    class Slow(NoCacheStrategy):
-        name = "slow"
+    async def pause(tool: str, args: Mapping[str, Any]) -> Mapping[str, Any]:
+        await asyncio.sleep(1.2)
+        return args
 
-        @contextlib.asynccontextmanager
-        async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[StrategyRollout]:
-            async with super().rollout(task, sandboxes, tools) as inner:
-
-                class Paused:
-                    stats = inner.stats
-
-                    async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
-                        await asyncio.sleep(1.2)
-                        return await inner.call(tool, args)
-
-                yield Paused()
-
-    result = asyncio.run(replay(workload, [NoCacheStrategy(), Slow()], ReplayOptions(progress=False)))
+    result = asyncio.run(replay(workload, [NoCacheStrategy(), Wrapped("slow", pause)], ReplayOptions(progress=False)))
     run = result.strategies["slow"]
     assert run.compared == 3 and run.nondeterministic == 2 and run.wrong_answers == 0
 

@@ -4,47 +4,30 @@ same calls (`tvcache_bench.paired`), on real workspace sandboxes whose commands'
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rich.console import Console
 
-from tvcache import Result, Tools
-from tvcache.rollout import RolloutStats
-from tvcache.sandboxes.base import Sandboxes
 from tvcache_bench.paired import Execution, paired
 from tvcache_bench.replay import ReplayOptions, ReplayResult, replay
 from tvcache_bench.report import print_table, write_json
-from tvcache_bench.strategies import NoCacheStrategy, StrategyRollout, TvCacheStrategy
+from tvcache_bench.strategies import NoCacheStrategy, TvCacheStrategy
 from tvcache_bench.traces import Trace, TraceCall, write_traces
 from tvcache_bench.workload import load_workload
+from wrapped import Wrapped
 
 # About 60 ms of CPU in bash before the command, printing nothing: the same answers at a much higher cost.
 BURN = "i=0; while [ $i -lt 30000 ]; do i=$((i+1)); done; "
 
 
-class Burning(NoCacheStrategy):
-    """No cache, but every command burns CPU first: a strategy whose commands cost more than none's."""
-
-    name = "burning"
-
-    @contextlib.asynccontextmanager
-    async def rollout(self, task: str, sandboxes: Sandboxes, tools: Tools) -> AsyncIterator[StrategyRollout]:
-        async with super().rollout(task, sandboxes, tools) as inner:
-
-            class Burned:
-                stats: RolloutStats = inner.stats
-
-                async def call(self, tool: str, args: Mapping[str, Any] | None = None) -> Result:
-                    command = dict(args or {})["command"]
-                    return await inner.call(tool, {"command": BURN + command})
-
-            yield Burned()
+async def burn(tool: str, args: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A command that burns CPU first: a strategy whose commands cost more than none's, with the same answers."""
+    return {"command": BURN + args["command"]}
 
 
 def test_pairs_are_the_same_calls_executed_without_error_and_answered_alike() -> None:
@@ -98,7 +81,7 @@ def workspace_replay(tmp_path: Path, strategies: list[Any]) -> ReplayResult:
 
 
 def test_paired_cost_on_workspace_commands_shows_a_strategy_whose_commands_cost_more(tmp_path: Path) -> None:
-    result = workspace_replay(tmp_path, [NoCacheStrategy(), TvCacheStrategy(), Burning()])
+    result = workspace_replay(tmp_path, [NoCacheStrategy(), TvCacheStrategy(), Wrapped("burning", burn)])
     write_json(result, tmp_path / "out.json")
     rows = json.loads((tmp_path / "out.json").read_text())["strategies"]
     assert rows["none"]["paired"] is None  # the baseline itself
