@@ -235,6 +235,51 @@ def test_a_live_owner_in_another_pid_namespace_is_never_taken_for_dead(tmp: Path
 # -- workspace ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ending", ["exit", "close"])
+def test_a_forked_child_leaves_its_parents_live_sandboxes_alone(ending: str, tmp: Path, db: Path, base: Path) -> None:
+    """A process that forks (a worker pool, a daemonising library) hands its child a copy of every factory, and of
+    the finalizer that removes what the factory made. The child ends as a forked worker may: `exit`, the
+    interpreter's normal exit (its atexit handlers, which run the finalizers of the factories still alive), or
+    `close`, closing its copies (an `async with` unwound). Neither may touch the parent's sandboxes: their run dir,
+    cgroups and SQLite copies stay, and their commands still run."""
+    loop = asyncio.new_event_loop()  # forked from outside it: the child runs a loop of its own
+    try:
+        trees, tables = WorkspaceSandboxes(base, tmp=tmp), SQLiteSandboxes(db, tmp=tmp)
+        tree, table = loop.run_until_complete(trees.create()), loop.run_until_complete(tables.create())
+        loop.run_until_complete(tree.execute(ToolCall("bash", {"command": "echo live > mine"})))
+        loop.run_until_complete(table.execute(sql("INSERT INTO items VALUES ('live')")))
+        groups = [d for d in trees._ctx.cgroups.run_dirs if d.is_dir()]
+        pid = os.fork()
+        if pid == 0:  # the child: never back into pytest
+            try:
+                if ending == "close":
+                    asyncio.run(close_both(trees, tables))
+                import atexit
+
+                atexit._run_exitfuncs()  # what a normal exit of the interpreter runs first
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + 30
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        assert trees._run.path.is_dir() and all(d.is_dir() for d in groups), "the child removed the parent's run"
+        out = loop.run_until_complete(tree.execute(ToolCall("bash", {"command": "cat mine README"})))
+        assert out.output["output"] == "live\nthe base\n"  # type: ignore[index]
+        assert tables.directory.is_dir()
+        out = loop.run_until_complete(table.execute(sql("SELECT count(*) AS n FROM items")))
+        assert out.output.split() == ["n", "3"]
+        loop.run_until_complete(close_both(trees, tables))
+    finally:
+        loop.close()
+
+
+async def close_both(*factories: Any) -> None:
+    for factory in factories:
+        await asyncio.wait_for(factory.close(), 10)
+
+
 @pytest.mark.parametrize("point", POINTS)
 def test_workspace_the_next_factory_reclaims_run_dir_mounts_and_cgroups(point: str, tmp: Path, base: Path) -> None:
     async def go() -> None:

@@ -47,6 +47,10 @@ What the base provides:
   for the running operation to end, then calls `_release()` once). The factory holds its live sandboxes
   until they are closed (their mounts, files and layer references need an explicit release), so closing
   the factory closes every sandbox its callers forgot.
+- Ownership stays with the process that made the factory. A forked child (a worker pool, a daemonising library)
+  holds a copy of the factory and of its cleanup, which would otherwise run at the child's exit or when it closes
+  its copy, and remove the parent's live sandboxes; in the child, `close()` only marks the copy closed and the
+  cleanup does nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import secrets
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -81,6 +86,7 @@ class ManagedSandboxes(Generic[BoxT, RecordT]):
         self._token = secrets.token_hex(6)
         self._ids = itertools.count(1)
         self._finalizer: weakref.finalize[..., Any] | None = None
+        self._pid = os.getpid()  # the owner of everything the factory makes (see the module docstring)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
@@ -97,13 +103,18 @@ class ManagedSandboxes(Generic[BoxT, RecordT]):
         an earlier registration). `fn` must not refer to the factory, or it would never be collected."""
         if self._finalizer is not None:
             self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, fn, *args)
+        self._finalizer = weakref.finalize(self, _in_process, self._pid, fn, *args)
+
+    def _copied_by_fork(self) -> bool:
+        return os.getpid() != self._pid
 
     async def close(self) -> None:
         """Close every live sandbox of this factory, drop its snapshots and remove what it created; idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._copied_by_fork():
+            return
         try:
             for box in list(self._live):
                 with contextlib.suppress(Exception):
@@ -155,6 +166,13 @@ class ManagedSandboxes(Generic[BoxT, RecordT]):
         return self._snapshots.pop(snapshot_id, None)
 
 
+def _in_process(pid: int, fn: Callable[..., Any], *args: Any) -> None:
+    """Run a factory's cleanup only in the process that made the factory: a forked child inherits the finalizer
+    (run by its atexit handlers or when it drops its copy) but not the sandboxes, which its parent still uses."""
+    if os.getpid() == pid:
+        fn(*args)
+
+
 class ManagedSandbox:
     """The shared half of a live sandbox; see the module docstring."""
 
@@ -184,6 +202,8 @@ class ManagedSandbox:
         if self._closed:
             return
         self._closed = True
+        if self._factory_base._copied_by_fork():
+            return
         self._interrupt()
         try:
             async with self._lock:
