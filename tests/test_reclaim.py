@@ -207,6 +207,47 @@ def test_a_reused_pid_does_not_pass_for_the_owner(tmp: Path, db: Path) -> None:
     assert alive.is_dir() and live_run_dir.is_dir()
 
 
+#: Run with this process's owner as argv[1:]: fills its own descriptor table, then asks whether that owner lives.
+FULL_TABLE = """
+import os, resource, sys
+from tvcache.sandboxes import reclaim
+
+pid, start, namespace = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError as exc:
+    assert exc.errno == 24, exc  # EMFILE: the table is full, as a busy server's may be
+print(reclaim.owner_alive(pid, start, namespace))
+"""
+
+
+def test_an_owner_that_cannot_be_looked_up_is_not_taken_for_dead() -> None:
+    """A process whose descriptor table is full (a loaded server, a benchmark holding many sandboxes) cannot
+    open /proc/<pid>/stat; that says nothing about the owner, who must count as alive, not as gone."""
+    me = [str(os.getpid()), str(reclaim.process_start_time(os.getpid())), reclaim.pid_namespace()]
+    command = [sys.executable, "-c", FULL_TABLE, *me]
+    ask = subprocess.run(["prlimit", "--nofile=64:64", "--", *command], env=env(), capture_output=True, text=True)
+    assert ask.returncode == 0, ask.stderr
+    assert ask.stdout.split() == ["True"]
+
+
+def test_a_run_dir_this_version_cannot_attribute_is_left_alone(tmp: Path, db: Path) -> None:
+    """Another tvcache version on the machine (two jobs pinned to different releases share /dev/shm) names its run
+    dirs otherwise: this one's run-<pid>-<start>-<token>, without the PID namespace. Whose it is cannot be told
+    from here, so it stays however old it is (its own version reclaims it); it was removed once idle for 60 s,
+    under a live owner."""
+    me, start = os.getpid(), reclaim.process_start_time(os.getpid())
+    theirs = tmp / "tvcache-workspace" / f"run-{me}-{start}-89abcdef"
+    (theirs / "boxes").mkdir(parents=True)
+    os.utime(theirs, (time.time() - 3600, time.time() - 3600))
+    asyncio.run(SQLiteSandboxes(db, tmp=tmp).close())
+    command = [sys.executable, "-m", "tvcache.cli", "gc", "--tmp", str(tmp), "--no-docker"]
+    subprocess.run(command, env=env(), capture_output=True, check=True)
+    assert (theirs / "boxes").is_dir()
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="a PID namespace needs root")
 def test_a_live_owner_in_another_pid_namespace_is_never_taken_for_dead(tmp: Path, db: Path, base: Path) -> None:
     """A container sharing this /dev/shm (`--ipc=host`, common for torch jobs) has pids that name other processes

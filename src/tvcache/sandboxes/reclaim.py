@@ -69,11 +69,12 @@ _OLD_SQLITE = re.compile(r"^tvcache-sqlite-(?:build-)?(?P<pid>\d+)-[a-z0-9_]{8}$
 
 
 def process_start_time(pid: int) -> str | None:
-    """When process `pid` started (clock ticks since boot), or None if there is no such process."""
+    """When process `pid` started (clock ticks since boot), or None if there is no such process. Raises OSError
+    when /proc cannot be read (a full descriptor table, no memory): that says nothing about the process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     # Field 22 (starttime) counts from after the ")" closing the command name, which may contain spaces.
     return data[data.rindex(b")") + 2 :].split()[19].decode()
@@ -90,15 +91,22 @@ def pid_namespace() -> str:
 def owner_alive(pid: int, start: str, namespace: str | None = None) -> bool:
     """Whether the process that started at `start` with pid `pid` still runs (not a later one with its pid). An
     owner in another PID namespace (a container sharing this /dev/shm, as `--ipc=host` does) has pids this process
-    cannot look up: it counts as alive."""
+    cannot look up: it counts as alive, as does one this process cannot look up now (a full descriptor table):
+    only a definite answer removes anything."""
     if namespace is not None and namespace != pid_namespace():
         return True
-    return process_start_time(pid) == start
+    try:
+        return process_start_time(pid) == start
+    except OSError:
+        return True
 
 
 def owner_name() -> str:
     """`<pid>-<start>-<pid namespace>` of this process."""
-    return f"{os.getpid()}-{process_start_time(os.getpid())}-{pid_namespace()}"
+    start = process_start_time(os.getpid())
+    if start is None:  # a name without the start time would name no owner, and be reclaimed as nobody's
+        raise OSError(f"cannot read this process's start time from /proc/{os.getpid()}/stat: is /proc mounted?")
+    return f"{os.getpid()}-{start}-{pid_namespace()}"
 
 
 def die_with_parent() -> None:

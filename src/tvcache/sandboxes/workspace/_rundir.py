@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import time
 from pathlib import Path
 
 from .._fdtree import remove_tree
@@ -30,11 +29,10 @@ def _owner_alive(run_dir: Path) -> bool:
     try:  # named by an earlier version, whose `owner` file names the owner
         pid_text, start = (run_dir / "owner").read_text().split()
     except (OSError, ValueError):
-        # No owner file yet: being created right now, or a crash before writing it. Only an old one is stale.
-        try:
-            return time.time() - run_dir.stat().st_mtime < 60
-        except OSError:
-            return False
+        # Named in a way this version cannot attribute (by another version of tvcache on this machine): whether
+        # its owner lives cannot be told, so it stays, however long it has been idle. A run dir of this version
+        # has its owner in its name from the moment it exists.
+        return True
     return owner_alive(int(pid_text), start)
 
 
