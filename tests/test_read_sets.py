@@ -224,6 +224,39 @@ def test_a_read_records_contents_absent_probes_listings_and_symlinks(tracer: str
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_a_read_set_after_a_change_is_digested_anew(tracer: str) -> None:
+    """A sandbox keeps the keys of its earlier reads while its files stay unchanged (see _reads.Digester): after any
+    change (contents, metadata alone, a listing, by a command or by a file tool), the same command's read set is
+    the digests of the files as they are now, not as they were. The oracle: a Digester with no memory of them."""
+    command = bash("cat /testbed/a.txt; ls /testbed/d; test -e /testbed/nope || echo none")
+    changes = [
+        bash("echo B > /testbed/a.txt"),
+        bash("touch -d @1700000000 /testbed/a.txt"),
+        bash("chmod 600 /testbed/a.txt"),
+        bash("touch /testbed/d/y"),
+        ToolCall("write_file", {"path": "/testbed/nope", "content": "now"}),
+    ]
+
+    async def main() -> None:
+        with tree({"a.txt": "A\n", "d/x": "x"}) as base:
+            async with factory(base, tracer) as boxes:
+                await uses(boxes, tracer)
+                box = await boxes.create()
+                first = await box.execute(command)
+                assert first.reads is not None
+                for change in changes:
+                    assert (await box.execute(change)).changed, change
+                    done = await box.execute(command)
+                    assert done.reads is not None and done.reads != first.reads, change
+                    assert done.reads == live(box, list(done.reads), boxes), change
+                    again = await box.execute(command)  # unchanged since: the keys it kept, the same digests
+                    assert again.reads == done.reads, change
+                    assert boxes._ebpf is None or boxes._ebpf._windows == {}
+
+    asyncio.run(main())
+
+
 #: Commands that reach files every way: absolute and relative paths, `..`, symlinks, absent probes, listings,
 #: descriptors of directories (find walks with openat/fchdir, Python's dir_fd), a chdir, scripts and interpreters.
 SAME_READS = [
@@ -289,7 +322,8 @@ def test_lost_ebpf_events_give_no_read_set() -> None:
 @pytest.mark.skipif(_ebpf.available() is None, reason="no bpftrace")
 def test_a_probe_right_before_the_exit_is_in_the_read_set() -> None:
     """The last system call of a command (a probe of a missing file, then the process exits: no shell, no trap after
-    it) is in the read set even when bpftrace is behind: here it is stopped (SIGSTOP) for the whole command and
+    it) is in the read set, whichever CPU it ran on, even when bpftrace is behind: here it is stopped (SIGSTOP) for
+    the whole command and
     resumed a moment after, while the events wait in the kernel's buffers. `collect` must wait until each CPU's
     buffer has been read past the command's end, not take what the reader has so far (then: no event at all)."""
 
@@ -307,8 +341,9 @@ def test_a_probe_right_before_the_exit_is_in_the_read_set() -> None:
                     threading.Timer(0.5, os.kill, (pid, signal.SIGCONT)).start()
 
             box._run = behind  # type: ignore[method-assign]
-            for _ in range(3):
-                done = await box.execute(bash("exec /usr/bin/test -e /testbed/probe"))
+            for cpu in [*sorted(os.sched_getaffinity(0)), None]:  # on each CPU (its own buffer), then anywhere
+                pin = "" if cpu is None else f"taskset -c {cpu} "
+                done = await box.execute(bash(f"exec {pin}/usr/bin/test -e /testbed/probe"))
                 assert done.output == {"output": "", "exit_code": 1} and done.reads is not None
                 assert done.reads.get("path:/testbed/probe") == "" and "walk:/testbed" in done.reads
 
@@ -388,6 +423,29 @@ def test_a_command_the_tracer_had_no_room_to_watch_has_no_read_set() -> None:
                     tracer.abandon(other)
             done = await box.execute(command)
             assert done.reads is not None and "path:/testbed/a.txt" in done.reads
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(_ebpf.available() is None, reason="no bpftrace")
+def test_a_late_unwatch_of_the_group_leaves_the_command_unwatched() -> None:
+    """A collect cancelled in its thread may take the group out of the kernel's map after the next command of the
+    sandbox put it in: the kernel then prints none of that command's later calls. The late unwatch's record
+    ("watched") and the command's own ("not watched") come from two CPUs' buffers, in either order; either order
+    must leave the command unwatched (no read set), not keep what was seen before. The two records are handed to
+    the tracer here in the order a last-record-wins rule trusts. The control: without them, the window is watched."""
+
+    async def main() -> None:
+        async with ebpf_box({"a.txt": "A\n"}) as (_, tracer, box):
+            group = group_of(box)
+            for late in (False, True):
+                window = tracer.begin(group)
+                if late:
+                    with tracer._lock:
+                        for watched in (0, 1):
+                            tracer._take(b"", {"type": "printf", "data": f"U\t{group}\t{watched}\n"})
+                found = await asyncio.to_thread(tracer.collect, window)
+                assert (found[1] == _ebpf.NOT_WATCHED) == late
 
     asyncio.run(main())
 

@@ -1,10 +1,10 @@
 """`tvcache bench sandbox`, read sets (issue 24): what tracing a command's reads costs, per swe-like command.
 
 The same commands run in one sandbox of an untraced factory and one of each traced factory (`read_sets=True`,
-traced with strace and with eBPF), interleaved, `REPEATS` times each; the table gives each command's median wall
-time each way and the ratios, and how many state keys its read set holds. The traced time is the whole call: the
-tracer, reading its output and digesting what the command read (content digests are cached per factory, as in a
-long run).
+traced with strace and with eBPF), interleaved, `REPEATS` times each, each call right after a `:` in its own
+sandbox; the table gives each command's median wall time each way and the ratios, and how many state keys its read
+set holds. The traced time is the whole call: the tracer, reading its output and digesting what the command read
+(content digests are cached per factory, as in a long run).
 
 The workspace is the `swe` benchmark's marshmallow base when it has been built (`tvcache bench swe`), with its
 virtual environment at /opt/venv; otherwise a small Python project next to the host's Python.
@@ -95,6 +95,9 @@ async def run(repeats: int = REPEATS) -> dict[str, Any]:
                 await box.execute(call)
             for _ in range(repeats):
                 for k, box in enumerate(boxes):
+                    # Each measured call follows a call of its own sandbox: a call right after another sandbox's
+                    # took up to twice as long, whatever its tracer (eBPF's, right after strace's, carried that).
+                    await box.execute(_SETTLE)
                     start = time.perf_counter()
                     outcome = await box.execute(call)
                     times[command][k].append((time.perf_counter() - start) * 1000)
@@ -126,6 +129,7 @@ async def run(repeats: int = REPEATS) -> dict[str, Any]:
     }
 
 
+_SETTLE = ToolCall("bash", {"command": ":"})
 #: The tracers compared: strace (ptrace stops) and eBPF (bpftrace, none); eBPF falls back to strace where it
 #: cannot run, which the table says.
 TRACERS = ["strace", "eBPF"]

@@ -506,6 +506,9 @@ class WorkspaceSandbox(ManagedSandbox):
         self._state = state
         self._cgroup: SandboxCgroup | None = None
         self._netns: str | None = None
+        self._watch: tuple[_ebpf.Bpftrace, _ebpf.Window] | None = None
+        #: Keys of reads digested since the files last changed (see _reads.Digester): a new one at every change.
+        self._known: _reads.Known = {}
 
     @property
     def root(self) -> str:
@@ -540,20 +543,20 @@ class WorkspaceSandbox(ManagedSandbox):
             mark=mark,
         )
 
-    async def _run_watched(self, command: str) -> tuple[CommandResult, tuple[list[_ebpf.Event], str | None] | None]:
-        """`_run`, and the command's events and why they cannot be used when the eBPF tracer traces this factory's
-        commands (else None)."""
+    async def _run_watched(self, command: str) -> CommandResult:
+        """`_run`, watched by the eBPF tracer when it traces this factory's commands: its window stays open in
+        `_watch` until `_observed` collects it or `execute` abandons it (its events are not wanted)."""
         ebpf = self._factory._ebpf
         cgroup = self._made_cgroup() if ebpf is not None else None  # made first, to watch the command in it
-        if ebpf is None or cgroup is None or cgroup.core is None:
-            return await self._run(command), None
-        window = ebpf.begin(os.stat(cgroup.core).st_ino)
-        try:
-            result = await self._run(command)
-        except BaseException:
-            ebpf.abandon(window)
-            raise
-        return result, await asyncio.to_thread(ebpf.collect, window)
+        if ebpf is not None and cgroup is not None and cgroup.core is not None:
+            self._watch = (ebpf, ebpf.begin(os.stat(cgroup.core).st_ino))
+        return await self._run(command)
+
+    def _unwatch(self) -> None:
+        """Abandon the command's window, if still open (see `_run_watched`)."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch[0].abandon(watch[1])
 
     def _made_cgroup(self) -> SandboxCgroup | None:
         if self._cgroup is None:
@@ -566,50 +569,54 @@ class WorkspaceSandbox(ManagedSandbox):
         if isinstance(args, Outcome):
             return args
         async with self._turn():
-            state = self._state
-            root = self.root
-            failure = None
-            trace: bytes | None = None
-            tail = b""
-            events: tuple[list[_ebpf.Event], str | None] | None = None
-            cpu = None
-            if tool == "bash":
-                cgroup = self._made_cgroup()
-                hits = cgroup.hits() if cgroup else (0, 0)
-                used = cgroup.cpu_seconds() if cgroup else None
-                try:
-                    result, events = await self._run_watched(args["command"])
-                except OSError as exc:  # the machinery failed (e.g. a missing binary): not the command
-                    return Outcome({"error": f"could not start the command: {exc}"}, None, True)
-                if cgroup and used is not None:
-                    cpu = (cgroup.cpu_seconds() or 0.0) - used
-                if not result.started:
-                    why = f"the sandbox could not start the command: {result.output.strip()[-2000:]}"
-                    return Outcome({"error": why}, None, True)
-                if result.timed_out:
-                    return unfinished(result.output, f"timed out after {self._ctx.timeout:g} s")
-                output: dict[str, Any] = {"output": result.output, "exit_code": result.exit_code}
-                state = result.state
-                failure = self._limit_hit(hits)
-                trace, tail = result.trace, result.trace_tail
-            elif tool == "read_file":
-                output = fast.read_file(root, state.cwd, args["path"], self._ctx.max_output)
-            elif tool == "write_file":
-                output = fast.write_file(root, state.cwd, args["path"], args["content"])
-            else:
-                output = fast.list_dir(root, state.cwd, args["path"], self._ctx.max_output)
-            if failure is None and tool != "read_file" and tool != "list_dir" and self._fs.full():
-                failure = f"the sandbox's disk quota ({_size(self._ctx.isolation.disk)}) is full"
-            files_changed = await self._fs.changed()
-            recent = self._fs.take_recent() if isinstance(self._fs, _isolation.LayeredRoot) else None
-            before, self._state = self._state, state
-            changed = files_changed or state != before
-            if failure is not None:
-                return Outcome({**output, "error": failure}, changed, True)
-            if not self._factory.read_sets:
-                return Outcome(output, changed, cpu_seconds=cpu)
-            observed = await self._observed(call, output, changed, files_changed, recent, before, trace, tail, events)
-            return replace(observed, cpu_seconds=cpu)
+            try:
+                state = self._state
+                root = self.root
+                failure = None
+                trace: bytes | None = None
+                tail = b""
+                cpu = None
+                if tool == "bash":
+                    cgroup = self._made_cgroup()
+                    hits = cgroup.hits() if cgroup else (0, 0)
+                    used = cgroup.cpu_seconds() if cgroup else None
+                    try:
+                        result = await self._run_watched(args["command"])
+                    except OSError as exc:  # the machinery failed (e.g. a missing binary): not the command
+                        return Outcome({"error": f"could not start the command: {exc}"}, None, True)
+                    if cgroup and used is not None:
+                        cpu = (cgroup.cpu_seconds() or 0.0) - used
+                    if not result.started:
+                        why = f"the sandbox could not start the command: {result.output.strip()[-2000:]}"
+                        return Outcome({"error": why}, None, True)
+                    if result.timed_out:
+                        return unfinished(result.output, f"timed out after {self._ctx.timeout:g} s")
+                    output: dict[str, Any] = {"output": result.output, "exit_code": result.exit_code}
+                    state = result.state
+                    failure = self._limit_hit(hits)
+                    trace, tail = result.trace, result.trace_tail
+                elif tool == "read_file":
+                    output = fast.read_file(root, state.cwd, args["path"], self._ctx.max_output)
+                elif tool == "write_file":
+                    output = fast.write_file(root, state.cwd, args["path"], args["content"])
+                else:
+                    output = fast.list_dir(root, state.cwd, args["path"], self._ctx.max_output)
+                if failure is None and tool != "read_file" and tool != "list_dir" and self._fs.full():
+                    failure = f"the sandbox's disk quota ({_size(self._ctx.isolation.disk)}) is full"
+                files_changed = await self._fs.changed()
+                if files_changed:
+                    self._known = {}  # a new one: a digest still running in a cancelled call's thread fills the old
+                recent = self._fs.take_recent() if isinstance(self._fs, _isolation.LayeredRoot) else None
+                before, self._state = self._state, state
+                changed = files_changed or state != before
+                if failure is not None:
+                    return Outcome({**output, "error": failure}, changed, True)
+                if not self._factory.read_sets:
+                    return Outcome(output, changed, cpu_seconds=cpu)
+                observed = await self._observed(call, output, changed, files_changed, recent, before, trace, tail)
+                return replace(observed, cpu_seconds=cpu)
+            finally:
+                self._unwatch()
 
     async def _observed(
         self,
@@ -621,17 +628,18 @@ class WorkspaceSandbox(ManagedSandbox):
         before: ShellState,
         trace: bytes | None,
         tail: bytes,
-        events: tuple[list[_ebpf.Event], str | None] | None = None,
     ) -> Outcome:
         """The outcome with its read set (see _reads) and, for a state-changing call, its write set (see _writes)
         from `recent`, the kernel's account of what it changed (None: none kept)."""
         reads: dict[str, str] | None = None
-        root, cache = self.root, self._factory._digest_cache
+        root, cache, known = self.root, self._factory._digest_cache, self._known
         path = call.args.get("path", "") if isinstance(call.args, dict) else ""
         why = ""
         if call.tool == "bash" and self._factory._ebpf is not None:
-            if events is not None and not files_changed:
-                reads, why = await _digests(_ebpf.read_set, *events, root, cache)
+            watch = self._watch
+            if watch is not None and not files_changed:  # else `execute` abandons it: its events are not wanted
+                self._watch = None
+                reads, why = await _digests(_ebpf.read_set, *watch, root, cache, known)
         elif call.tool == "bash" and self._factory._tracer is not None:
             parsed = None if trace is None else await asyncio.to_thread(_reads.parse_trace, trace)
             if not (parsed.complete if parsed is not None else _reads.shell_ended(tail)):
@@ -640,10 +648,10 @@ class WorkspaceSandbox(ManagedSandbox):
                 why = "the read tracer ended before the command did (was it killed?)"
                 return Outcome({**output, "error": why}, changed, True)
             if parsed is not None and not files_changed:
-                reads, why = await _digests(_reads.read_set, parsed, root, cache)
+                reads, why = await _digests(_reads.read_set, parsed, root, cache, known)
         elif call.tool in ("read_file", "list_dir") and not files_changed:
             listing = call.tool == "list_dir"
-            reads, _ = await _digests(_reads.file_tool_reads, root, before.cwd, path, listing, cache)
+            reads, _ = await _digests(_reads.file_tool_reads, root, before.cwd, path, listing, cache, known)
         if why:
             log.debug("no read set for %r: %s", call.key[:200], why)
         if reads is not None:
@@ -681,6 +689,7 @@ class WorkspaceSandbox(ManagedSandbox):
             # that nothing could change the files while they are copied.
             cgroup = self._cgroup
             frozen = cgroup is not None and cgroup.freeze(True)
+            self._known = {}  # the files stay, but may come back from the snapshot's layer with other metadata
             try:
                 snap = await self._fs.freeze(self._state)
             except OSError as exc:  # e.g. no room for the layer in tmp: the sandbox itself goes on unchanged

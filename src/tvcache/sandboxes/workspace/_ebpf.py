@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from ..reclaim import die_with_parent
 from . import _reads
-from ._reads import EXEC, FOLLOW, LIST, MARK, NOFOLLOW, WALK, Digester, Trace
+from ._reads import EXEC, FOLLOW, LIST, MARK, NOFOLLOW, WALK, Digester, Known, Trace
 
 __all__ = ["NOT_WATCHED", "Bpftrace", "Event", "Window", "available", "program", "shared", "to_trace"]
 
@@ -292,14 +292,15 @@ class Event:
 class Window:
     """One command's watch of its sandbox group (cgroup id `group`), from `since` (CLOCK_MONOTONIC, as bpftrace's
     nsecs) until `Bpftrace.collect`: what was seen of it. `lost`: the tracer's count of losses when it began;
-    `watched`: what the kernel said when it closed (False: the watch did not fit in its map)."""
+    `watched`: what the kernel said when it closed (False: the watch did not fit in its map, or was taken out
+    early; None: not closed yet)."""
 
     group: int
     since: int
     lost: int
     events: list[Event] = field(default_factory=list)
     hazard: str | None = None
-    watched: bool = False
+    watched: bool | None = None
 
 
 def available() -> str | None:
@@ -418,7 +419,9 @@ class Bpftrace:
                 group, watched = rest.split("\t")
                 window = self._windows.get(int(group))
                 if window is not None:
-                    window.watched = watched == "1"
+                    # Any unwatch that found the group unwatched counts, whatever the order of the records: a
+                    # collect cancelled in its thread may unwatch the group after the next command watched it.
+                    window.watched = watched == "1" and window.watched is not False
             elif tag == "Y":
                 cpu, token = rest.split("\t")
                 self._synced[int(cpu)] = max(self._synced[int(cpu)], int(token))
@@ -463,16 +466,27 @@ class Bpftrace:
         return window
 
     def abandon(self, window: Window) -> None:
-        """Stop watching for a command that did not run its course (the machinery failed, or the call was cancelled)."""
+        """Stop watching, without waiting for the events: for a command whose events are not wanted (it did not run
+        its course, or changed files) or after `collect` (then a no-op)."""
+        if self._close(window):
+            self._mark(_UNWATCH, window.group)
+
+    def _close(self, window: Window) -> bool:
+        """Take `window` out of the open ones, if it still is (another command of its group may have begun since:
+        a collect cancelled in its thread ends late)."""
         with self._lock:
-            self._windows.pop(window.group, None)
-        self._mark(_UNWATCH, window.group)
+            if self._windows.get(window.group) is not window:
+                return False
+            del self._windows[window.group]
+            return True
 
     def collect(self, window: Window) -> tuple[list[Event], str | None]:
         """After the command begun with `window` ended: its events, and why they cannot be used, if so."""
         with self._lock:
             self._token += 1
             token = self._token
+            self._waiting += 1
+            self._hurry.set()  # the reader takes what comes without its trickle wait from now on
         self._mark(_UNWATCH, window.group)  # its record comes before this CPU's sync marker's
         mask = os.sched_getaffinity(0)
         try:
@@ -482,15 +496,14 @@ class Bpftrace:
         finally:
             os.sched_setaffinity(0, mask)
         with self._lock:
-            self._waiting += 1
-            self._hurry.set()
             done = self._lock.wait_for(
                 lambda: self._ended or all(self._synced[c] >= token for c in self._cpus), timeout=60
             )
             self._waiting -= 1
             if not self._waiting:
                 self._hurry.clear()
-            self._windows.pop(window.group, None)
+            if not self._close(window):
+                return [], "the eBPF tracer's window was closed meanwhile"
             if self._ended or not done:
                 return [], "the eBPF tracer stopped"
             if not window.watched:
@@ -630,9 +643,11 @@ def to_trace(events: list[Event], hazard: str | None, resolve: object) -> Trace:
 
 
 def read_set(
-    events: list[Event], hazard: str | None, root: str, cache: dict[tuple[int, ...], str]
+    tracer: Bpftrace, window: Window, root: str, cache: dict[tuple[int, ...], str], known: Known
 ) -> tuple[dict[str, str] | None, str]:
-    """The traced command's read set in `root`, or None and why (see _reads.read_set)."""
+    """The read set in `root` of the command watched through `window`, or None and why (see _reads.read_set).
+    Collected and digested in one thread: each hop between threads is a wake-up on the call's critical path."""
+    events, hazard = tracer.collect(window)
     with Digester(root, cache) as digests:
         trace = to_trace(events, hazard, lambda path, follow: digests.resolve(path, follow))
-    return _reads.read_set(trace, root, cache)
+    return _reads.read_set(trace, root, cache, known)

@@ -52,6 +52,7 @@ from .._syscalls import RESOLVE_IN_ROOT, openat2
 
 __all__ = [
     "Digester",
+    "Known",
     "Trace",
     "find_strace",
     "parse_trace",
@@ -84,6 +85,8 @@ _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _HASH_CHUNK = 1 << 20
 #: Cached path digests per factory before the cache starts over (about 200 bytes each).
 _CACHE_LIMIT = 500_000
+#: A sandbox's keys of earlier reads, by (path, how): see `Digester`.
+Known = dict[tuple[str, str], dict[str, str]]
 
 
 def strace_argv(strace: str, bash: str, fd: int) -> list[str]:
@@ -362,11 +365,18 @@ class Digester:
     A path's digest is cached across the roots of one factory (`cache`) by everything `lstat` says of it, its
     change time and inode included (any write, chmod or xattr change sets the change time; a symlink is never
     rewritten in place): a file of the base is read once per factory, not once per call.
+
+    `known`, if given, holds the keys each `read` recorded in earlier calls of one sandbox whose files have not
+    changed since (its owner starts it over when they do): a read found there records them again without a look
+    at the files (the walk, not the hashing, was most of a short command's digest time).
     """
 
-    def __init__(self, root: str, cache: dict[tuple[int, ...], str]):
+    def __init__(self, root: str, cache: dict[tuple[int, ...], str], known: Known | None = None):
         self.root = root
         self.cache = cache
+        self._known = known
+        if known is not None and len(known) > _CACHE_LIMIT // 10:
+            known.clear()
         if len(cache) > _CACHE_LIMIT:
             cache.clear()
         self._rfd = _open_root(root)
@@ -564,6 +574,22 @@ class Digester:
 
     def read(self, path: str, how: str) -> None:
         """Record what reading `path` (absolute, as the process named it) the way `how` depended on."""
+        if self._known is None:
+            return self._read(path, how)
+        found = self._known.get((path, how))
+        if found is None:
+            # Recorded on its own: a resolution or key shared with an earlier read would be missing from its entry.
+            outer = self.keys, self._resolved
+            self.keys, self._resolved = {}, {}
+            try:
+                self._read(path, how)
+                found = self._known[(path, how)] = self.keys
+            finally:
+                self.keys, self._resolved = outer
+        self.keys.update(found)
+        return None
+
+    def _read(self, path: str, how: str) -> None:
         canonical = self.resolve(path, follow=how != NOFOLLOW, walk=how == WALK)
         if canonical is None:
             return
@@ -643,9 +669,12 @@ def unsound_path(path: str) -> str | None:
     return None
 
 
-def read_set(trace: Trace, root: str, cache: dict[tuple[int, ...], str]) -> tuple[dict[str, str] | None, str]:
+def read_set(
+    trace: Trace, root: str, cache: dict[tuple[int, ...], str], known: Known | None = None
+) -> tuple[dict[str, str] | None, str]:
     """The traced command's read set in `root` (after it ran; it wrote nothing), or None and why. What procfs
-    showed of the command's own processes is left out (see _OWN_PROC): this process sees another procfs."""
+    showed of the command's own processes is left out (see _OWN_PROC): this process sees another procfs.
+    `known`: see `Digester`."""
     if not trace.complete or not trace.started:
         return None, "the trace is incomplete"
     if trace.hazard is not None:
@@ -657,7 +686,7 @@ def read_set(trace: Trace, root: str, cache: dict[tuple[int, ...], str]) -> tupl
         why = unsound_path(path)
         if why is not None:
             return None, why
-    with Digester(root, cache) as digests:
+    with Digester(root, cache, known) as digests:
         for path, hows in trace.reads.items():
             if _OWN_PROC.match(posixpath.normpath(path)):
                 continue
@@ -667,12 +696,13 @@ def read_set(trace: Trace, root: str, cache: dict[tuple[int, ...], str]) -> tupl
 
 
 def file_tool_reads(
-    root: str, cwd: bytes, path: str, listing: bool, cache: dict[tuple[int, ...], str]
+    root: str, cwd: bytes, path: str, listing: bool, cache: dict[tuple[int, ...], str], known: Known | None = None
 ) -> dict[str, str]:
-    """The read set of read_file (`listing` False) or list_dir of `path` (relative to `cwd`)."""
+    """The read set of read_file (`listing` False) or list_dir of `path` (relative to `cwd`); `known`: see
+    `Digester`."""
     raw = os.fsencode(path)
     full = os.fsdecode(raw if raw.startswith(b"/") else posixpath.join(cwd, raw))
-    with Digester(root, cache) as digests:
+    with Digester(root, cache, known) as digests:
         digests.read(full, LIST if listing else FOLLOW)
         return dict(digests.keys)
 
