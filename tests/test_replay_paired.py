@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from tvcache import PythonSandboxes, Tools
 from tvcache_bench.paired import Execution, paired
-from tvcache_bench.replay import ReplayOptions, ReplayResult, replay
+from tvcache_bench.replay import ReplayOptions, ReplayResult, replay, replay_strategies
 from tvcache_bench.report import print_table, write_json
 from tvcache_bench.strategies import NoCacheStrategy, TvCacheStrategy
 from tvcache_bench.traces import Trace, TraceCall, write_traces
-from tvcache_bench.workload import load_workload
+from tvcache_bench.workload import Workload, load_workload
 from wrapped import Wrapped
 
 # About 60 ms of CPU in bash before the command, printing nothing: the same answers at a much higher cost.
@@ -117,3 +118,24 @@ def test_without_no_cache_there_is_no_baseline(tmp_path: Path) -> None:
     out = io.StringIO()
     print_table(result, Console(file=out, width=200))
     assert "paired cost of commands: no baseline" in out.getvalue()
+
+
+def test_only_strategies_that_reuse_by_reads_get_the_traced_sandboxes() -> None:
+    """A workload with untraced sandboxes (`bench swe --read-sets`) gives the traced ones to tvcache alone: no cache,
+    exact history and the oracle's re-executions run untraced, so the paired cost against none is the tracing's.
+    Here the two factories answer with their own name, so every answer shows which one ran it."""
+
+    def factory(kind: str) -> PythonSandboxes[list[str]]:
+        return PythonSandboxes(make=list, run=lambda state, call: kind, fingerprint="same")
+
+    traced, untraced = factory("traced"), factory("untraced")
+    traces = [Trace("t", f"r{r}", "", [TraceCall("which", {"i": i}) for i in range(3)]) for r in range(2)]
+    workload = Workload("kinds", traces, lambda task: traced, Tools(), untraced=lambda task: untraced)
+    result = asyncio.run(
+        replay_strategies(workload, ["none", "exact", "tvcache"], ReplayOptions(progress=False, concurrency=1))
+    )
+    answers = {name: run.executed for name, run in result.strategies.items()}
+    assert {e.answer for e in answers["none"].values()} == {e.answer for e in answers["exact"].values()}
+    assert {e.answer for e in answers["none"].values()} != {e.answer for e in answers["tvcache"].values()}
+    assert result.strategies["exact"].wrong_answers == 0
+    assert result.strategies["tvcache"].wrong_answers == 6  # every answer it executed or hit says "traced"

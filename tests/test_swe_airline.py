@@ -283,6 +283,15 @@ def test_build_workload_covers_the_tasks_asked_for(marshmallow: swe.Base) -> Non
         assert isinstance(boxes, swe.MaskedSandboxes)
     finally:
         asyncio.run(workload.close())
+    assert workload.untraced is None  # without read sets every strategy runs in the same sandboxes
+    traced = swe.build_workload(1, root=marshmallow.root.parent, tmp=TMP, read_sets=True)
+    try:
+        assert traced.untraced is not None
+        task = "marshmallow-code__marshmallow-1343"
+        both = traced.sandboxes(task), traced.untraced(task)
+        assert [b.inner.read_sets for b in both if isinstance(b, swe.MaskedSandboxes)] == [True, False]
+    finally:
+        asyncio.run(traced.close())
 
 
 def test_each_command_starts_in_a_new_shell_in_testbed(marshmallow: swe.Base) -> None:

@@ -412,7 +412,8 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
         "--read-sets",
         action="store_true",
         default=None,
-        help="(swe) trace every command's reads in the workspace sandboxes (read_sets=True), for every strategy alike",
+        help="(swe) trace the commands' reads in the workspace sandboxes of tvcache (read_sets=True); the other "
+        "strategies run untraced",
     )
     parser.add_argument(
         "--no-warmup",

@@ -355,6 +355,7 @@ async def replay(workload: Workload, strategies: Sequence[Strategy], options: Re
     load_start = _load_average()
     order = sorted(strategies, key=lambda p: p.name != "none")
     factories = {task: workload.sandboxes(task) for task in task_order(workload.traces)}
+    untraced = factories if workload.untraced is None else {t: workload.untraced(t) for t in factories}
     calls_per_epoch = sum(len(t.calls) for t in workload.traces)
     oracle: Oracle | None = {} if order[0].name == "none" else None
     progress = _progress(options.progress)
@@ -364,7 +365,8 @@ async def replay(workload: Workload, strategies: Sequence[Strategy], options: Re
         run.epoch_hits = [0] * options.epochs
         run.peak_memory_bytes = 0
         record = strategy.name == "none"
-        engine = _Engine(workload, factories, strategy, options, run, None if record else oracle)
+        boxes = factories if strategy.read_sets else untraced
+        engine = _Engine(workload, boxes, strategy, options, run, None if record else oracle)
         engine.oracle_out = oracle if record else None
         engines.append(engine)
     try:
@@ -391,7 +393,7 @@ async def replay(workload: Workload, strategies: Sequence[Strategy], options: Re
                     await engine.strategy.close()
     runs = {engine.strategy.name: engine.run_ for engine in engines}
     if oracle is not None:
-        verifier = _Verifier(workload, factories, options) if options.verify else None
+        verifier = _Verifier(workload, untraced, options) if options.verify else None
         checks = _progress(options.progress)  # re-executions take seconds: a bar, not a silent wait
         with checks or _nothing():
             for engine in engines[1:]:

@@ -81,6 +81,7 @@ class Strategy:
     """The interface the replay engine drives. Subclasses implement `rollout`; the rest has defaults."""
 
     name = "?"
+    read_sets = False  # reuses results by what a call read: only such a strategy needs traced sandboxes
 
     def rollout(
         self, task: str, sandboxes: Sandboxes, tools: Tools
@@ -402,6 +403,7 @@ class TvCacheStrategy(Strategy):
 
     def __init__(self, store: str | None = None, *, namespace: str | None = None, **options: Any):
         self.cache = ToolCache(store, namespace=namespace or f"replay-{uuid.uuid4().hex[:12]}", **options)
+        self.read_sets = bool(options.get("read_sets", True))
         self._factories: dict[str, Sandboxes] = {}  # scope key -> factory, to delete snapshots at the end
 
     def rollout(

@@ -50,6 +50,9 @@ class Workload:
     tools: Tools  # annotations (read_only etc.)
     close: Callable[[], Awaitable[None]] = field(default=_nothing)  # releases factories / temp files
     notes: str = ""  # where the data comes from, for the report
+    # The same sandboxes without tracing what calls read, for the strategies that do not reuse by it and for the
+    # oracle's re-executions (None: `sandboxes` serves every strategy).
+    untraced: Callable[[str], Sandboxes] | None = None
 
 
 def first_tasks(traces: list[Trace], n: int | None) -> list[Trace]:

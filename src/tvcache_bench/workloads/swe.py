@@ -696,8 +696,9 @@ def build_workload(
 ) -> Workload:
     """The `swe` workload: the rollouts of the first `tasks` instances of `swe-dev.jsonl` (all 12 when
     None), each instance in sandboxes over its base (built on first use, see `build_base`). `timeout` is
-    the seconds a command may run; `tmp` where sandboxes live (default /dev/shm); `read_sets` traces every
-    command's reads (for every strategy alike, so that all see the same sandboxes). Close the workload."""
+    the seconds a command may run; `tmp` where sandboxes live (default /dev/shm); `read_sets` traces the reads of
+    the commands of the strategies that reuse by them (tvcache), while the others run untraced, as they would
+    without read sets, so that the paired cost against none is what tracing costs. Close the workload."""
     traces = first_tasks(read_traces(workload_path("traces", "swe-dev.jsonl")), tasks)
     instances = read_instances()
     unknown = [t for t in task_order(traces) if t not in instances]
@@ -708,13 +709,16 @@ def build_workload(
         instance = instances[task]
         bases[task] = build_base(instance.project, instance.version, root=root, log=log)
     factories: dict[Path, MaskedSandboxes] = {}
+    untraced: dict[Path, MaskedSandboxes] = {}
     for base in bases.values():
         if base.root not in factories:
             # No sandbox runs yet if a later one fails: the earlier factories clean up when collected.
             factories[base.root] = make_sandboxes(base, timeout=timeout, tmp=tmp, read_sets=read_sets)
+            if read_sets:
+                untraced[base.root] = make_sandboxes(base, timeout=timeout, tmp=tmp)
 
     async def close() -> None:
-        for factory in factories.values():
+        for factory in [*factories.values(), *untraced.values()]:
             await factory.close()
 
     calls = sum(len(t.calls) for t in traces)
@@ -723,6 +727,7 @@ def build_workload(
         name="swe",
         traces=traces,
         sandboxes=lambda task: factories[bases[task].root],
+        untraced=(lambda task: untraced[bases[task].root]) if read_sets else None,
         tools=Tools(),  # bash may change anything: whether a command did is observed per call
         close=close,
         notes=f"{len(traces)} SWE-agent rollouts ({calls} bash calls) of {len(bases)} SWE-bench dev instances "
