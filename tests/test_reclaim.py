@@ -321,6 +321,46 @@ async def close_both(*factories: Any) -> None:
         await asyncio.wait_for(factory.close(), 10)
 
 
+def test_a_forked_worker_gets_process_sandboxes_of_its_own(tmp: Path, base: Path) -> None:
+    """Frameworks build environments in worker processes, often forked from one that already made its factories
+    (`process_sandboxes`). The worker gets a factory of its own, named by its pid, whose sandboxes run; it was
+    handed the parent's copy, whose mount threads did not survive the fork, and its first create() hung."""
+    from tvcache.integrations import process_sandboxes
+
+    key = ("forked-worker", str(tmp))
+
+    async def use() -> str:
+        boxes = process_sandboxes(key, lambda: WorkspaceSandboxes(base, tmp=tmp, timeout=30))
+        box = await boxes.create()
+        out = await box.execute(ToolCall("bash", {"command": "echo ok"}))
+        await box.close()
+        return f"{boxes._run.path.name} {out.output['output'].strip()}"  # type: ignore[index]
+
+    mine = asyncio.run(use()).split()
+    readable, writable = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker: never back into pytest
+        try:
+            signal.alarm(60)  # a hung worker dies instead of hanging the test
+            said = asyncio.run(use())
+            asyncio.run(process_sandboxes(key, lambda: None).close())  # type: ignore[attr-defined]
+            os.write(writable, said.encode())
+        finally:
+            os._exit(0)
+    os.close(writable)
+    try:
+        _, status = os.waitpid(pid, 0)
+        theirs = os.read(readable, 1000).decode().split()
+    finally:
+        os.close(readable)
+    try:
+        assert status == 0 and theirs[1:] == ["ok"], (status, theirs)
+        assert theirs[0].startswith(f"run-{pid}-") and mine[0].startswith(f"run-{os.getpid()}-")
+        assert (tmp / "tvcache-workspace" / mine[0]).is_dir()
+    finally:
+        asyncio.run(process_sandboxes(key, lambda: None).close())  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("point", POINTS)
 def test_workspace_the_next_factory_reclaims_run_dir_mounts_and_cgroups(point: str, tmp: Path, base: Path) -> None:
     async def go() -> None:

@@ -72,6 +72,19 @@ def process_sandboxes(key: Hashable, make: Callable[[], T]) -> T:
         return _sandboxes[key]  # type: ignore[no-any-return]
 
 
+def _forget_after_fork() -> None:
+    # A worker forked from a process that already had them inherits copies of its caches and factories, whose
+    # threads, event loops and sandboxes stay the parent's: it makes its own on first use instead.
+    global _lock
+    _lock = threading.RLock()
+    _caches.clear()
+    _sync_caches.clear()
+    _sandboxes.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def _close_sync_caches() -> None:
     with _lock:
         caches = list(_sync_caches.values())

@@ -190,6 +190,10 @@ def _workers() -> concurrent.futures.ThreadPoolExecutor:
     )
 
 
+# A forked child has none of its parent's threads: the pool it inherited would take work and never run it.
+os.register_at_fork(after_in_child=_workers.cache_clear)
+
+
 class _PrivateSpace(MountSpace):
     """A mount namespace of one sandbox's own (see the module docstring)."""
 
