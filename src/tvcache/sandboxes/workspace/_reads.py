@@ -85,8 +85,10 @@ _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _HASH_CHUNK = 1 << 20
 #: Cached path digests per factory before the cache starts over (about 200 bytes each).
 _CACHE_LIMIT = 500_000
-#: A sandbox's keys of earlier reads, by (path, how): see `Digester`.
-Known = dict[tuple[str, str], dict[str, str]]
+#: A sandbox's keys of earlier reads, by (path, how): see `Digester`. Pairs, not dicts: a sandbox may keep thousands.
+Known = dict[tuple[str, str], tuple[tuple[str, str], ...]]
+#: Reads a sandbox keeps before it starts over (a test run reads a few thousand paths).
+_KNOWN_LIMIT = 20_000
 
 
 def strace_argv(strace: str, bash: str, fd: int) -> list[str]:
@@ -375,7 +377,7 @@ class Digester:
         self.root = root
         self.cache = cache
         self._known = known
-        if known is not None and len(known) > _CACHE_LIMIT // 10:
+        if known is not None and len(known) > _KNOWN_LIMIT:
             known.clear()
         if len(cache) > _CACHE_LIMIT:
             cache.clear()
@@ -583,7 +585,7 @@ class Digester:
             self.keys, self._resolved = {}, {}
             try:
                 self._read(path, how)
-                found = self._known[(path, how)] = self.keys
+                found = self._known[(path, how)] = tuple(self.keys.items())
             finally:
                 self.keys, self._resolved = outer
         self.keys.update(found)
