@@ -311,3 +311,21 @@ def test_each_command_starts_in_a_new_shell_in_testbed(marshmallow: swe.Base) ->
     assert [o.output["output"] for o in out] == ["/tmp\n", "/testbed\nunset\n/testbed/src\n", "", "/testbed\n"]
     assert [o.output["exit_code"] for o in out] == [0, 0, 3, 0]
     assert [o.changed for o in out] == [False, False, False, False]  # moving about is no state change
+
+
+def test_a_file_made_in_testbed_leaves_the_read_set_of_a_cat_alone(marshmallow: swe.Base) -> None:
+    """Starting each command in /testbed must not read /testbed: a `cd` there would see its size change with every
+    file an agent makes in it, and no `cat` after one could be reused by what it read."""
+    commands = ["cat setup.cfg", "touch reproduce_issue.py", "cat setup.cfg"]
+
+    async def go() -> list[Any]:
+        boxes = swe.make_sandboxes(marshmallow, timeout=60, tmp=TMP, read_sets=True)
+        try:
+            box = await boxes.create()
+            return [await box.execute(ToolCall("bash", {"command": c})) for c in commands]
+        finally:
+            await boxes.close()
+
+    first, made, again = asyncio.run(go())
+    assert made.changed is True and first.output == again.output
+    assert first.reads is not None and first.reads == again.reads

@@ -647,7 +647,10 @@ class _Masked:
     async def execute(self, call: ToolCall) -> Outcome:
         args = call.args
         if isinstance(args, dict) and isinstance(args.get("command"), str):
-            call = ToolCall(call.tool, {**args, "command": fresh_shell(TESTBED, args["command"])})
+            # No `cd /testbed` first: the sandbox's shell starts there and, every command being a subshell, never
+            # leaves. A `cd` would be a read of /testbed's size and link count, which every file an agent makes
+            # there changes, and so would miss every read-set candidate after it (as `docker exec -w` does not).
+            call = ToolCall(call.tool, {**args, "command": fresh_shell(None, args["command"])})
         outcome = await self.inner.execute(call)
         output = outcome.output
         if isinstance(output, dict) and isinstance(output.get("output"), str):
