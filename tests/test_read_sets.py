@@ -102,8 +102,9 @@ async def ebpf_box(files: dict[str, str]) -> AsyncIterator[tuple[WorkspaceSandbo
 def group_of(box: Any) -> int:
     """The cgroup id of a workspace sandbox's group, as the eBPF tracer watches it."""
     cgroup = box._made_cgroup()
-    assert cgroup is not None and cgroup.core is not None
-    return os.stat(cgroup.core).st_ino
+    group = cgroup.id() if cgroup is not None else None
+    assert group is not None
+    return group
 
 
 def unwatched_window(tracer: _ebpf.Bpftrace, group: int) -> _ebpf.Window:

@@ -548,8 +548,9 @@ class WorkspaceSandbox(ManagedSandbox):
         `_watch` until `_observed` collects it or `execute` abandons it (its events are not wanted)."""
         ebpf = self._factory._ebpf
         cgroup = self._made_cgroup() if ebpf is not None else None  # made first, to watch the command in it
-        if ebpf is not None and cgroup is not None and cgroup.core is not None:
-            self._watch = (ebpf, ebpf.begin(os.stat(cgroup.core).st_ino))
+        group = cgroup.id() if cgroup is not None else None
+        if ebpf is not None and group is not None:
+            self._watch = (ebpf, ebpf.begin(group))
         return await self._run(command)
 
     def _unwatch(self) -> None:

@@ -194,6 +194,11 @@ class SandboxCgroup:
         """(OOM kills, refused forks) so far."""
         return _count(self.oom_events, "oom_kill"), _count(self.pids_events, "max")
 
+    def id(self) -> int | None:
+        """The group's cgroup id, as the kernel names it to eBPF programs (`cgroup`, bpf_get_current_cgroup_id): the
+        inode number of its cgroup2 directory; None without a cgroup2 group."""
+        return None if self.core is None else os.stat(self.core).st_ino
+
     def cpu_seconds(self) -> float | None:
         """The CPU time the sandbox's processes used so far (`usage_usec` of its cgroup2 group's `cpu.stat`, which
         the kernel keeps whether or not the cpu controller is enabled there); None without a cgroup2 group."""
