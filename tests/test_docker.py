@@ -38,6 +38,7 @@ from shell_oracle import Listener, bash, cached_rollouts_wrong, out, random_comm
 from tvcache import SandboxError, ToolCall
 from tvcache.sandboxes import images
 from tvcache.sandboxes.docker import DockerSandbox, DockerSandboxes, build_image
+from tvcache.sandboxes.docker._cpu import cpu_stat
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
 # -- tools and state ----------------------------------------------------------------------------------------
@@ -106,6 +107,39 @@ def test_timeout_kills_the_command_and_keeps_the_container(task_image: str) -> N
             # Usable, in the state before the failed call, with nothing of it left running.
             procs = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done 2>/dev/null"
             assert await out(box, f"pwd; {procs} | grep -c '^sleep'") == "/testbed/data\n0\n"
+
+    run(main())
+
+
+def test_commands_report_the_cpu_their_processes_used(task_image: str) -> None:
+    """`cpu_seconds` of a command is its container's cgroup2 `usage_usec` across the call: a fixed busy loop (about
+    0.3 s of CPU) shows it, `true` and a sleep barely register; CPU time, unlike wall time, hardly moves with load."""
+    burn = "i=0; while ((i < 300000)); do ((i++)); done"
+
+    async def cpu(box: DockerSandbox, command: str) -> float:
+        outcome = await box.execute(ToolCall("bash", {"command": command}))
+        assert not outcome.error and outcome.cpu_seconds is not None, command
+        return outcome.cpu_seconds
+
+    async def main() -> None:
+        async with DockerSandboxes(task_image) as boxes:
+            box = await boxes.create()
+            idle = await cpu(box, "true")
+            assert 0 < idle < 0.1  # two bash starts and the wrapper's clean-up
+            assert await cpu(box, "sleep 0.3") < 0.1  # waiting is not CPU
+            busy = await cpu(box, burn)
+            assert busy > 0.15 and busy > 5 * idle
+            fork = await boxes.restore(await box.snapshot())  # a restored container's group is found too
+            assert await cpu(fork, burn) > 5 * await cpu(fork, "true")
+            # File tools run in this process, not in the container: nothing of the container's to measure.
+            read = await box.execute(ToolCall("read_file", {"path": "README"}))
+            assert read.output == {"content": "the readme\n"} and read.cpu_seconds is None
+            # Only a group named after the container counts: another process's pid (as a remote or rootless
+            # daemon's would be here) or another container's id gives no figure rather than someone else's CPU.
+            info = box._info
+            assert cpu_stat(info) is not None
+            assert cpu_stat({**info, "State": {**info["State"], "Pid": os.getpid()}}) is None
+            assert cpu_stat({**info, "Id": fork.id}) is None
 
     run(main())
 

@@ -58,8 +58,8 @@ class Outcome:
     sandbox that cannot vouch for that gives `reads` None for a state-changing call. (The cache takes the digest of
     a key the call both read and wrote from its own record of the state before the call, not from the sandbox.)
 
-    `cpu_seconds` is the CPU time the call's processes used, where the sandbox measures it (a workspace command:
-    its sandbox's cgroup), else None; a measurement, so outcomes compare without it.
+    `cpu_seconds` is the CPU time the call's processes used, where the sandbox measures it (a workspace or Docker
+    command: its sandbox's or container's cgroup), else None; a measurement, so outcomes compare without it.
     """
 
     output: Output

@@ -28,6 +28,10 @@ hostname is `sandbox` in every container.
 inode, size, mtime, ctime, mode; an empty one in microseconds), so a call that wrote nothing and left the
 working directory and exports alone is a memo without annotation.
 
+**CPU.** Each command's `Outcome.cpu_seconds` is the CPU time the container's processes used during it, read
+from the container's cgroup2 `cpu.stat` before and after (see _cpu); None where that group is not on this machine
+(a remote or rootless daemon).
+
 **Snapshots are invisible**: a restored container shows exactly the files the container that took the snapshot
 showed, as a fresh container that ran the same calls would. So a snapshot is not a `docker commit`: a commit
 packs the diff into a tar (losing sockets, `user.*` xattrs and sub-second times) and stacks it as a new image
@@ -91,6 +95,7 @@ from .._threads import in_own_thread
 from ..base import Outcome, SandboxError
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
 from ..reclaim import scratch_dir
+from ._cpu import cpu_stat, usage_seconds
 from ._exec import kill_everything, run_bash
 from ._pipeline import Pipeline, describe, inspect_image
 from ._run import RUN_LABEL, new_run, reap_dead_runs, remove_run
@@ -506,6 +511,7 @@ class DockerSandbox(ManagedSandbox):
         self._info = info
         self._upper = _local_dir(info, "UpperDir")
         self._merged = _local_dir(info, "MergedDir")
+        self._cpu_stat = cpu_stat(info)
         self._listing: str | None = None
         """The upper dir's listing at the last look; None while it is empty."""
         self._dead: str | None = None
@@ -567,8 +573,12 @@ class DockerSandbox(ManagedSandbox):
             if self._dead is not None:
                 raise SandboxError(f"docker sandbox {self.id[:12]} is unusable: {self._dead}")
             state = self._state
+            cpu = None
             if tool == "bash":
+                used = usage_seconds(self._cpu_stat)
                 result = await self._bash(args["command"])
+                if used is not None and (now := usage_seconds(self._cpu_stat)) is not None:
+                    cpu = now - used
                 if result.timed_out:
                     return unfinished(result.output, f"timed out after {self._f.timeout:g} s")
                 if not result.finished:
@@ -582,7 +592,7 @@ class DockerSandbox(ManagedSandbox):
             if state != self._state:
                 changed = True
             self._state = state
-            return Outcome(output, changed)
+            return Outcome(output, changed, cpu_seconds=cpu)
 
     def _file_tool(self, tool: str, args: dict[str, Any]) -> dict[str, Any]:
         root = self._merged

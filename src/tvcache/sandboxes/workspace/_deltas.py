@@ -225,7 +225,8 @@ def _copy_whole(src_dir: int, dest_dir: int, name: str) -> None:
     os.mkdir(name, 0o700, dir_fd=dest_dir)
     src, dest = os.open(name, OPEN_DIR, dir_fd=src_dir), os.open(name, OPEN_DIR, dir_fd=dest_dir)
     try:
-        if (os.fstat(src).st_dev, os.fstat(src).st_ino) != (st.st_dev, st.st_ino):
+        opened = os.fstat(src)
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
             raise TreeChanged(f"{name!r} was replaced while it was copied")
         _NoLinks(src, dest).run()
         _copy_metadata(Ref(src, "."), os.fstat(src), Ref(dest, "."), overlay_xattrs=True)
