@@ -11,9 +11,9 @@ the same work. The strategy's hits are no work at all and are not pairs.
 
 Each side of a pair is the execution alone, as the strategy's rollout counts it (`RolloutStats`): its wall time
 (no lookup, sandbox creation, restore, replay or snapshot) and, where the sandbox measures it, the CPU time the
-command's processes used (a workspace command: its sandbox's cgroup). CPU time moves less with the machine's load
-than wall time does. The figures: the sums over the pairs, and the median of the per-command ratios (strategy /
-baseline), above 1 when the strategy's commands cost more.
+command's processes used (a workspace or Docker command: its sandbox's or container's cgroup). CPU time moves less
+with the machine's load than wall time does. The figures: the sums over the pairs, and the median of the
+per-command ratios (strategy / baseline), above 1 when the strategy's commands cost more.
 """
 
 from __future__ import annotations
