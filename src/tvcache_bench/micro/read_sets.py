@@ -130,7 +130,7 @@ async def run(repeats: int = REPEATS) -> dict[str, Any]:
 
 
 _SETTLE = ToolCall("bash", {"command": ":"})
-#: The tracers compared: strace (ptrace stops) and eBPF (bpftrace, none); eBPF falls back to strace where it
+#: The tracers compared: strace (ptrace stops) and eBPF (no stops); eBPF falls back to strace where it
 #: cannot run, which the table says.
 TRACERS = ["strace", "eBPF"]
 

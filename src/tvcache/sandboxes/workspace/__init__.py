@@ -324,7 +324,7 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         #: strace and bash inside the sandbox root, found on first use when read_sets is on (None: untraced).
         self._tracer: tuple[str, str] | None = None
         #: The eBPF tracer, used instead of strace where it works (see _ebpf).
-        self._ebpf: _ebpf.Bpftrace | None = None
+        self._ebpf: _ebpf.Tracer | None = None
         self._digest_cache: dict[tuple[int, ...], str] = {}
         self._base_box: WorkspaceSandbox | None = None
         self._base_lock = asyncio.Lock()
@@ -418,11 +418,10 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
     async def _probe_tracer(self, box: WorkspaceSandbox) -> tuple[str, str] | None:
         """The eBPF tracer if it works here (then None), else strace and bash in the sandbox's root, if a traced
         command works there; else None, listed in `degraded` and logged once."""
-        bpftrace = _ebpf.available() if self._use_ebpf else None
         core = box._cgroup.core if box._cgroup is not None else None
-        if bpftrace is not None and core is not None:
+        if self._use_ebpf and _ebpf.available() and core is not None:
             try:
-                self._ebpf = await asyncio.to_thread(_ebpf.shared, bpftrace)
+                self._ebpf = await asyncio.to_thread(_ebpf.shared)
                 if (await box.execute(ToolCall("bash", {"command": ":"}))).reads is not None:
                     return None
             except OSError as exc:
@@ -506,7 +505,7 @@ class WorkspaceSandbox(ManagedSandbox):
         self._state = state
         self._cgroup: SandboxCgroup | None = None
         self._netns: str | None = None
-        self._watch: tuple[_ebpf.Bpftrace, _ebpf.Window] | None = None
+        self._watch: tuple[_ebpf.Tracer, _ebpf.Window] | None = None
         #: Keys of reads digested since the files last changed (see _reads.Digester): a new one at every change.
         self._known: _reads.Known = {}
 

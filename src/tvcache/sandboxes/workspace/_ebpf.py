@@ -1,92 +1,96 @@
-"""Reads of bash commands traced with eBPF (bpftrace), without stopping the traced processes.
+"""Reads of bash commands traced with eBPF, without stopping the traced processes.
 
-One bpftrace process per Python process watches the processes of the cgroup v2 groups in its map @w: a command's
-sandbox group is in it from the command's start to its end (a marker call puts it in and takes it out, see
-`Bpftrace.begin`), so untraced sandboxes and idle ones cost it nothing. System call tracepoints, no ptrace stops: a
-command runs at nearly its untraced speed, with the PIDs it has untraced. Each traced call prints, at its exit (when
-the kernel has copied the path in), the path it named, its directory descriptor, flags and result, and as kernel
-identities (mount, dentry) the directory a relative path starts from (the descriptor's file or the working
-directory), the file an open made and the process's root. Identities become paths here: a directory a command uses
-was opened or entered by a traced call of the same command, whose path is known; an identity never seen makes the
-read set None. The paths are then resolved in the sandbox's root as _reads does for strace's, into the same keys.
+One tracer process per Python process (ebpf/tracer.c, which loads ebpf/reads.bpf.c into the kernel) watches the
+processes of the cgroup v2 groups in its map `watched`: a command's sandbox group is in it from the command's start
+to its end (a marker call puts it in and takes it out, see `Tracer.begin`), so untraced sandboxes and idle ones cost
+it nothing. System call tracepoints, no ptrace stops: a command runs at nearly its untraced speed, with the PIDs it
+has untraced. Each traced call records, at its exit (when the kernel has copied the path in), the path it named,
+its directory descriptor, flags and result, and as kernel identities (mount, dentry) the directory a relative path
+starts from (the descriptor's file or the working directory), the file an open made and the process's root.
+Identities become paths here: a directory a command uses was opened or entered by a traced call of the same command,
+whose path is known; an identity never seen makes the read set None. The paths are then resolved in the sandbox's
+root as _reads does for strace's, into the same keys.
 
-Events come out of one buffer per CPU; after a command, a marker call on every CPU says that each buffer has been
-read past the command's end. A lost event (a full buffer), a watch the map had no room for, or any record that
-cannot be read, makes the read set of every command whose window it falls in None.
+Records go to one ring buffer for all CPUs without waking the tracer; after a command, a marker call's record (which
+wakes it) says that the buffer has been read past the command's end. A lost record (a full buffer), a watch the map
+had no room for, or any record that cannot be read, makes the read set of every command whose window it falls in
+None. The tracer is built from its C sources with clang on first use (see `build`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
+import hashlib
 import logging
 import os
 import posixpath
 import secrets
 import shutil
 import signal
+import struct
 import subprocess
+import tempfile
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..reclaim import die_with_parent
 from . import _reads
 from ._reads import EXEC, FOLLOW, LIST, MARK, NOFOLLOW, WALK, Digester, Known, Trace
 
-__all__ = ["NOT_WATCHED", "Bpftrace", "Event", "Window", "available", "program", "shared", "to_trace"]
+__all__ = ["NOT_WATCHED", "Event", "Tracer", "Window", "available", "build", "shared", "to_trace"]
 
-#: name: (directory fd argument or None, path argument, flags argument or None), as the tracepoints name them.
-_PATH_CALLS: dict[str, tuple[str | None, str, str | None]] = {
-    "open": (None, "filename", "flags"),
-    "openat": ("dfd", "filename", "flags"),
-    "creat": (None, "pathname", None),
-    "newstat": (None, "filename", None),
-    "newlstat": (None, "filename", None),
-    "newfstatat": ("dfd", "filename", "flag"),
-    "statx": ("dfd", "filename", "flags"),
-    "access": (None, "filename", None),
-    "faccessat": ("dfd", "filename", None),
-    "faccessat2": ("dfd", "filename", "flags"),
-    "readlink": (None, "path", None),
-    "readlinkat": ("dfd", "pathname", None),
-    "chdir": (None, "filename", None),
-    "execveat": ("fd", "filename", "flags"),
-    "getxattr": (None, "pathname", None),
-    "lgetxattr": (None, "pathname", None),
-    "listxattr": (None, "pathname", None),
-    "llistxattr": (None, "pathname", None),
-    "mkdir": (None, "pathname", None),
-    "mkdirat": ("dfd", "pathname", None),
-    "rmdir": (None, "pathname", None),
-    "unlink": (None, "pathname", None),
-    "unlinkat": ("dfd", "pathname", "flag"),
-    "rename": (None, "oldname", None),
-    "renameat": ("olddfd", "oldname", None),
-    "renameat2": ("olddfd", "oldname", "flags"),
-    "link": (None, "oldname", None),
-    "linkat": ("olddfd", "oldname", "flags"),
-    "symlink": (None, "newname", None),
-    "symlinkat": ("newdfd", "newname", None),
-    "chmod": (None, "filename", None),
-    "fchmodat": ("dfd", "filename", None),
-    "chown": (None, "filename", None),
-    "lchown": (None, "filename", None),
-    "fchownat": ("dfd", "filename", "flag"),
-    "utime": (None, "filename", None),
-    "utimes": (None, "filename", None),
-    "utimensat": ("dfd", "filename", "flags"),
-    "futimesat": ("dfd", "filename", None),
-    "mknod": (None, "filename", None),
-    "mknodat": ("dfd", "filename", None),
-    "truncate": (None, "path", None),
-    "setxattr": (None, "pathname", None),
-    "lsetxattr": (None, "pathname", None),
-    "removexattr": (None, "pathname", None),
-    "lremovexattr": (None, "pathname", None),
-    "statfs": (None, "pathname", None),
+#: name: (directory fd argument, path argument, flags argument), by position (None: the call has none).
+_PATH_CALLS: dict[str, tuple[int | None, int, int | None]] = {
+    "open": (None, 0, 1),
+    "openat": (0, 1, 2),
+    "creat": (None, 0, None),
+    "newstat": (None, 0, None),
+    "newlstat": (None, 0, None),
+    "newfstatat": (0, 1, 3),
+    "statx": (0, 1, 2),
+    "access": (None, 0, None),
+    "faccessat": (0, 1, None),
+    "faccessat2": (0, 1, 3),
+    "readlink": (None, 0, None),
+    "readlinkat": (0, 1, None),
+    "chdir": (None, 0, None),
+    "execveat": (0, 1, 4),
+    "getxattr": (None, 0, None),
+    "lgetxattr": (None, 0, None),
+    "listxattr": (None, 0, None),
+    "llistxattr": (None, 0, None),
+    "mkdir": (None, 0, None),
+    "mkdirat": (0, 1, None),
+    "rmdir": (None, 0, None),
+    "unlink": (None, 0, None),
+    "unlinkat": (0, 1, 2),
+    "rename": (None, 0, None),
+    "renameat": (0, 1, None),
+    "renameat2": (0, 1, 4),
+    "link": (None, 0, None),
+    "linkat": (0, 1, 4),
+    "symlink": (None, 1, None),
+    "symlinkat": (1, 2, None),
+    "chmod": (None, 0, None),
+    "fchmodat": (0, 1, None),
+    "chown": (None, 0, None),
+    "lchown": (None, 0, None),
+    "fchownat": (0, 1, 4),
+    "utime": (None, 0, None),
+    "utimes": (None, 0, None),
+    "utimensat": (0, 1, 3),
+    "futimesat": (0, 1, None),
+    "mknod": (None, 0, None),
+    "mknodat": (0, 1, None),
+    "truncate": (None, 0, None),
+    "setxattr": (None, 0, None),
+    "lsetxattr": (None, 0, None),
+    "removexattr": (None, 0, None),
+    "lremovexattr": (None, 0, None),
+    "statfs": (None, 0, None),
 }
 _FD_CALLS = ("getdents64", "getdents", "fchdir")
 #: Calls the file digests cannot describe, or that escape the model of paths here, whatever their result.
@@ -167,108 +171,119 @@ _O_TMPFILE = 0o20000000
 _AT_SYMLINK_NOFOLLOW = 0x100
 _AT_EMPTY_PATH = 0x1000
 _AT_FDCWD = -100
-#: bpftrace's longest string (BPFTRACE_STRLEN); a path this long or longer may have been cut. An event is one
-#: printf, its path and numbers together, and bpftrace 0.17 puts the string on the BPF stack (512 bytes) twice.
-STRLEN = 176
+#: The longest path the tracer reads (PATH_MAX, its terminating zero included): one this long may have been cut.
+STRLEN = 4096
 #: The marker calls, made by this process: lseek of descriptor -1 (EBADF), whose `whence` is the tracer's tag
 #: times 4 plus one of these, and whose offset is a sandbox group's cgroup id or a sync token.
 _WATCH, _UNWATCH, _SYNC = 1, 2, 3
 NOT_WATCHED = "the eBPF tracer could not watch the sandbox (its map of watched groups was full)"
 
+#: Every name a record can carry, by its index (`struct call`'s); the last two are hazards the kernel side finds.
+_COMPAT, _NEWER = "a 32-bit system call", "a system call newer than this tracer"
+NAMES = [*_PATH_CALLS, "execve", *_FD_CALLS, *_HAZARDS, "connect", _COMPAT, _NEWER]
+#: System calls x86-64 names unlike their tracepoints (and this module).
+_NR_NAMES = {"newstat": "stat", "newlstat": "lstat", "umount": "umount2"}
+#: The numbers of calls newer than Debian 12's kernel headers: from 424 on, one numbering for every architecture.
+_UNIFIED = {
+    "openat2": 437,
+    "fchmodat2": 452,
+    "statmount": 457,
+    "listmount": 458,
+    "setxattrat": 463,
+    "getxattrat": 464,
+    "listxattrat": 465,
+    "removexattrat": 466,
+    "open_tree_attr": 467,
+    "file_getattr": 468,
+    "file_setattr": 469,
+}
+#: The kernel side's record header (struct record in reads.bpf.c, up to its path).
+_HEAD = struct.Struct("<QQqqq6QIHBx")
+_SOURCES = Path(__file__).with_name("ebpf")
 
-def _has(call: str) -> bool:
-    """Does this kernel have the system call (and its tracepoints)? A call it lacks cannot be made either."""
-    return os.path.isdir(f"{_TRACEFS}/sys_enter_{call}")
 
-
-def program() -> str:
-    """The bpftrace program, tracing the processes of the cgroup v2 groups in @w (a command's window, see
-    `Bpftrace.begin`). $1 is this process's pid, whose `lseek` calls of descriptor -1 with `whence` >> 2 equal to
-    $2 are the marker calls that watch a group, stop watching it and sync (see `_WATCH`)."""
-    only = "/@w[cgroup]/"
-    fd_file = "(*(curtask->files->fdt->fd + {fd}))"
-    pwd = "$bm = (uint64)curtask->fs->pwd.mnt; $bd = (uint64)curtask->fs->pwd.dentry;"
-    root = "(uint64)curtask->fs->root.mnt, (uint64)curtask->fs->root.dentry"
-    fields = "\\t".join(
-        ["E", "%llu", "%d", "%llu", "{name}", "%d", "%d", "%d", "%llx:%llx", "%llx:%llx", "%llx:%llx", "%s"]
-    )
-    head = f'printf("{fields}\\n", nsecs, tid, cgroup, '
-    zero = "$bm = (uint64)0; $bd = (uint64)0; $rm = (uint64)0; $rd = (uint64)0;"
-
-    def of_fd(fd: str, m: str, d: str) -> str:
-        f = fd_file.format(fd=fd)
-        return (
-            f"if ({fd} >= 0 && {fd} < (int64)curtask->files->fdt->max_fds) "
-            f"{{ {m} = (uint64){f}->f_path.mnt; {d} = (uint64){f}->f_path.dentry; }}"
-        )
-
-    out = ['BEGIN { printf("READY\\n"); }']
+def _calls_h() -> str:
+    """calls.h for reads.bpf.c: the table of traced system calls, by number (see `struct call` there)."""
+    kinds = {"path": 1, "fd": 2, "hazard": 3, "connect": 4, "execve": 5}
+    rows: list[tuple[str, int, int, int, int, int | None, int | None, int | None]] = []
     for name, (dfd, path, flags) in _PATH_CALLS.items():
-        if not _has(name):
-            continue
-        save = f"@p[tid] = (uint64)args->{path}; @f[tid] = (int64){'args->' + flags if flags else 0};"
-        base = pwd
-        if dfd:
-            save += f" @d[tid] = (int64)(int32)args->{dfd};"
-            base = (
-                f"$dfd = (int64)@d[tid]; if ($dfd == {_AT_FDCWD}) {{ {pwd} }} else {{ {of_fd('$dfd', '$bm', '$bd')} }}"
-            )
-        made = ""
-        if name in ("open", "openat", "creat"):
-            made = of_fd("$r", "$rm", "$rd")
-        elif name == "chdir":
-            made = "if ($r == 0) { $rm = (uint64)curtask->fs->pwd.mnt; $rd = (uint64)curtask->fs->pwd.dentry; }"
-        emit = (
-            head.format(name=name)
-            + f"$r, {'$dfd' if dfd else _AT_FDCWD}, @f[tid], $bm, $bd, $rm, $rd, {root}, str(@p[tid]));"
-        )
-        if name in _FSTAT_CALLS:
-            # fstat of an open file (glibc's fstat is newfstatat(fd, "", AT_EMPTY_PATH)): a third of all events,
-            # which `to_trace` passes over; the kernel has read the path's first byte by the exit.
-            emit = f"if (!(@f[tid] & {_AT_EMPTY_PATH}) || *(uint8 *)uptr(@p[tid]) != 0) {{ {emit} }}"
-        out.append(f"tracepoint:syscalls:sys_enter_{name} {only} {{ {save} }}")
-        out.append(
-            f"tracepoint:syscalls:sys_exit_{name} {only} {{ $r = (int64)args->ret; {zero} {base} {made} {emit} "
-            + "delete(@p[tid]); delete(@f[tid]);"
-            + (" delete(@d[tid]);" if dfd else "")
-            + " }"
-        )
-    # execve: the name is read on entry (the old memory is gone at the exit), its result follows.
-    out.append(
-        f"tracepoint:syscalls:sys_enter_execve {only} {{ {zero} {pwd} "
-        + head.format(name="execve")
-        + f"0, {_AT_FDCWD}, 0, $bm, $bd, $rm, $rd, {root}, str(args->filename)); }}"
-    )
-    for name in filter(_has, _FD_CALLS):
-        made = "$rm = (uint64)curtask->fs->pwd.mnt; $rd = (uint64)curtask->fs->pwd.dentry;" if name == "fchdir" else ""
-        out.append(f"tracepoint:syscalls:sys_enter_{name} {only} {{ @d[tid] = (int64)args->fd; }}")
-        out.append(
-            f"tracepoint:syscalls:sys_exit_{name} {only} {{ $r = (int64)args->ret; {zero} $dfd = (int64)@d[tid]; "
-            f"{of_fd('$dfd', '$bm', '$bd')} {made} "
-            + head.format(name=name)
-            + f'$r, $dfd, 0, $bm, $bd, $rm, $rd, {root}, ""); delete(@d[tid]); }}'
-        )
-    for name in filter(_has, _HAZARDS):
-        out.append(
-            f"tracepoint:syscalls:sys_exit_{name} {only} "
-            f'{{ printf("H\\t%llu\\t%d\\t%llu\\t{name}\\t%d\\n", nsecs, tid, cgroup, args->ret); }}'
-        )
-    # connect: a failed connection to a Unix socket's path probes that path; any other connection is a hazard.
-    out.append(f"tracepoint:syscalls:sys_enter_connect {only} {{ @p[tid] = (uint64)args->uservaddr; }}")
-    out.append(
-        f"tracepoint:syscalls:sys_exit_connect {only} {{ $a = (uint8 *)@p[tid]; {pwd} "
-        'printf("C\\t%llu\\t%d\\t%llu\\tconnect\\t%d\\t%d\\t%llx:%llx\\t%s\\n", nsecs, tid, cgroup, args->ret, '
-        "*(uint16 *)uptr($a), $bm, $bd, str(uptr($a + 2))); delete(@p[tid]); }"
-    )
-    # The markers. A watch that did not fit in the map (it is full) shows as 0 when the window closes.
-    out.append(
-        "tracepoint:syscalls:sys_enter_lseek /pid == $1 && (int32)args->fd == -1 && (args->whence >> 2) == $2/ "
-        f"{{ $op = args->whence & 3; $x = (uint64)args->offset; "
-        f"if ($op == {_WATCH}) {{ @w[$x] = 1; }} "
-        f'if ($op == {_UNWATCH}) {{ printf("U\\t%llu\\t%d\\n", $x, @w[$x]); delete(@w[$x]); }} '
-        f'if ($op == {_SYNC}) {{ printf("Y\\t%d\\t%llu\\n", cpu, $x); }} }}'
-    )
-    return "\n".join(out) + "\n"
+        made = 1 if name in ("open", "openat", "creat") else 2 if name == "chdir" else 0
+        rows.append((name, kinds["path"], made, name in _FSTAT_CALLS, NAMES.index(name), dfd, path, flags))
+    rows.append(("execve", kinds["execve"], 0, 0, NAMES.index("execve"), None, 0, None))
+    rows += [(n, kinds["fd"], 2 if n == "fchdir" else 0, 0, NAMES.index(n), 0, None, None) for n in _FD_CALLS]
+    rows += [(n, kinds["hazard"], 0, 0, NAMES.index(n), None, None, None) for n in _HAZARDS]
+    rows.append(("connect", kinds["connect"], 0, 0, NAMES.index("connect"), None, None, None))
+    out = ["// Written by _ebpf.py: which system calls the tracer traces, and where their arguments are."]
+    out += [f"#ifndef __NR_{n}\n#define __NR_{n} {nr}\n#endif" for n, nr in _UNIFIED.items()]
+    out += [
+        "#define CALLS_MAX 512",
+        f"#define LAST_KNOWN {max(_UNIFIED.values())}",
+        f"#define COMPAT_INDEX {NAMES.index(_COMPAT)}",
+        f"#define NEWER_INDEX {NAMES.index(_NEWER)}",
+        "static const struct call CALLS[CALLS_MAX] = {",
+    ]
+    for name, kind, made, fstat, index, *places in rows:
+        number = f"__NR_{_NR_NAMES.get(name, name)}"
+        at = ", ".join(str(-1 if a is None else a) for a in places)
+        out.append(f"#ifdef {number}\n\t[{number}] = {{{kind}, {made}, {int(fstat)}, {at}, {index}}},\n#endif")
+    return "\n".join([*out, "};", ""])
+
+
+def _cache_home() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tvcache" / "ebpf"
+
+
+def _clang() -> str | None:
+    found = shutil.which("clang")
+    return found if found is not None and os.path.isfile("/usr/include/bpf/bpf_helpers.h") else None
+
+
+def _built() -> Path:
+    """Where this version's tracer is, or is to be, built (a name per content of its sources)."""
+    text = _calls_h()
+    digest = hashlib.sha256(text.encode())
+    for name in ("reads.bpf.c", "tracer.c"):
+        digest.update((_SOURCES / name).read_bytes())
+    digest.update(os.uname().machine.encode())
+    return _cache_home() / digest.hexdigest()[:16]
+
+
+def available() -> bool:
+    """Can the eBPF tracer run here? x86-64 (where its table of calls is), the kernel's type information (BTF,
+    for its reads of kernel structures), and either a built tracer or clang and libbpf's headers to build it."""
+    if os.uname().machine != "x86_64" or not os.path.isfile("/sys/kernel/btf/vmlinux"):
+        return False
+    return _clang() is not None or (_built() / "tracer").is_file()
+
+
+def build() -> Path:
+    """The directory of the tracer (`tracer` and its `reads.bpf.o`), built with clang on first use (about a
+    second) and kept in the user's cache, one per version of the sources. Raises OSError if it cannot be built."""
+    where = _built()
+    if (where / "tracer").is_file():
+        return where
+    clang = _clang()
+    if clang is None:
+        raise OSError("the eBPF tracer needs clang and libbpf's headers to build (apt-get install clang libbpf-dev)")
+    where.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=where.parent))
+    try:
+        shutil.copy(_SOURCES / "reads.bpf.c", work)
+        (work / "calls.h").write_text(_calls_h())
+        include = f"/usr/include/{os.uname().machine}-linux-gnu"
+        steps = [
+            [clang, "-O2", "-g", "-target", "bpf", f"-I{include}", "-c", "reads.bpf.c", "-o", "reads.bpf.o"],
+            [clang, "-O2", "-o", "tracer", str(_SOURCES / "tracer.c"), "-lbpf"],
+        ]
+        for argv in steps:
+            done = subprocess.run(argv, cwd=work, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise OSError(f"could not build the eBPF tracer ({argv[-1]}): {done.stderr.strip()[-2000:]}")
+        with contextlib.suppress(OSError):  # another process built it meanwhile: theirs is the same
+            work.rename(where)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return where
 
 
 @dataclass(slots=True)
@@ -290,9 +305,9 @@ class Event:
 
 @dataclass
 class Window:
-    """One command's watch of its sandbox group (cgroup id `group`), from `since` (CLOCK_MONOTONIC, as bpftrace's
-    nsecs) until `Bpftrace.collect`: what was seen of it. `lost`: the tracer's count of losses when it began;
-    `watched`: what the kernel said when it closed (False: the watch did not fit in its map, or was taken out
+    """One command's watch of its sandbox group (cgroup id `group`), from `since` (CLOCK_MONOTONIC, as the
+    kernel's records) until `Tracer.collect`: what was seen of it. `lost`: the tracer's count of losses when it
+    began; `watched`: what the kernel said when it closed (False: the watch did not fit in its map, or was taken out
     early; None: not closed yet)."""
 
     group: int
@@ -303,147 +318,125 @@ class Window:
     watched: bool | None = None
 
 
-def available() -> str | None:
-    """bpftrace's path, if it is installed and the kernel's tracepoints are visible (tracefs mounted)."""
-    found = shutil.which("bpftrace")
-    return found if found is not None and os.path.isdir(_TRACEFS) else None
-
-
-_TRACEFS = "/sys/kernel/tracing/events/syscalls"
 log = logging.getLogger("tvcache")
-_shared: Bpftrace | None = None
+_shared: Tracer | None = None
 _shared_lock = threading.Lock()
 
 
-def shared(bpftrace: str) -> Bpftrace:
-    """This process's tracer, started on first use (it takes seconds: bpftrace compiles and attaches about 120
-    programs) and kept for the process's life."""
+def shared() -> Tracer:
+    """This process's tracer, built and started on first use, and kept for the process's life."""
     global _shared
     with _shared_lock:
         if _shared is None or _shared.ended:
-            _shared = Bpftrace(bpftrace)
+            _shared = Tracer()
         return _shared
 
 
-class Bpftrace:
-    """One bpftrace process watching the sandbox groups of this process's traced commands (see `begin`).
-    `pages`: the size of each CPU's event buffer, in pages (4 MiB: a Python import is about 10k events)."""
+class Tracer:
+    """The tracer process (see reads.bpf.c and tracer.c) watching the sandbox groups of this process's traced
+    commands (see `begin`). `ring`: the size of the kernel's buffer of records, in bytes (a power of two; 32 MiB
+    holds about 200,000 records: a Python import is about 10,000)."""
 
-    def __init__(self, bpftrace: str, *, pages: int = 1024):
-        self._cpus = sorted(os.sched_getaffinity(0))
+    def __init__(self, *, ring: int = 32 << 20):
+        where = build()
         # Tells this tracer's marker calls from another's in the same process (a test's second tracer).
         self._tag = secrets.randbelow(1 << 28) + 1
-        env = {**os.environ, "BPFTRACE_STRLEN": str(STRLEN), "BPFTRACE_PERF_RB_PAGES": str(pages)}
-        argv = [bpftrace, "-f", "json", "-B", "none", "-e", program(), str(os.getpid()), str(self._tag)]
+        argv = [str(where / "tracer"), str(where / "reads.bpf.o"), str(os.getpid()), str(self._tag), str(ring)]
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Condition()
-        self._hurry = threading.Event()  # set while a `collect` waits
-        self._waiting = 0
         self._windows: dict[int, Window] = {}
-        self._synced: dict[int, int] = defaultdict(int)
-        self._lost = 0
+        self._synced = 0
+        self._unreadable = 0  # records this side could not read
+        self._kernel_lost = 0  # records the kernel could not write, as it last said
         self._token = 0
         self._ready = False
         self._ended = False
-        self._reader = threading.Thread(target=self._read, args=(argv, env), daemon=True)
+        self._error = ""
+        self._reader = threading.Thread(target=self._read, args=(argv,), daemon=True)
         self._reader.start()
         with self._lock:
-            self._lock.wait_for(lambda: self._ready or self._ended, timeout=300)
+            self._lock.wait_for(lambda: self._ready or self._ended, timeout=60)
         if not self._ready:
             self.close()
-            raise OSError("bpftrace did not start")
+            raise OSError(f"the eBPF tracer did not start: {self._error or 'no answer in 60 s'}")
 
-    def _read(self, argv: list[str], env: dict[str, str]) -> None:
-        """Start bpftrace and take its records, as many as have come at once: one JSON decoding and one hold of the
-        lock for all of them (one wake-up and decoding per line cost more than bpftrace's own work)."""
-        _batched()  # this thread too: it need not read before the command ends
+    def _read(self, argv: list[str]) -> None:
+        """Start the tracer and take its records, as many as have come at once, in one hold of the lock."""
         try:
-            # Started by this thread, which lives as long as this process: the kernel kills bpftrace with it.
-            self._proc = subprocess.Popen(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                preexec_fn=_start_bpftrace,
-            )
+            # Started by this thread, which lives as long as this process: the kernel kills the tracer with it.
+            pipe, none = subprocess.PIPE, subprocess.DEVNULL
+            self._proc = subprocess.Popen(argv, stdout=pipe, stderr=pipe, stdin=none, preexec_fn=die_with_parent)
         except OSError as exc:
-            log.debug("bpftrace did not start: %s", exc)
             with self._lock:
-                self._ended = True
+                self._ended, self._error = True, str(exc)
                 self._lock.notify_all()
             return
-        assert self._proc.stdout is not None
-        out, rest = self._proc.stdout.fileno(), b""
-        with contextlib.suppress(OSError):  # room for a burst (a Python start) while this thread waits
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        out, data = self._proc.stdout.fileno(), bytearray()
+        with contextlib.suppress(OSError):  # room for a burst while this thread waits
             fcntl.fcntl(out, fcntl.F_SETPIPE_SZ, 1 << 20)
         while chunk := os.read(out, 1 << 20):
-            *lines, rest = (rest + chunk).split(b"\n")
-            records = _decode(lines)
+            data += chunk
+            if not self._ready:
+                if b"\n" not in data:
+                    continue
+                line, _, rest = bytes(data).partition(b"\n")
+                data = bytearray(rest)
+                with self._lock:
+                    self._ready = line == b"READY"
+                    self._lock.notify_all()
             with self._lock:
-                for line, record in zip(lines, records, strict=True):
-                    self._take(line, record)
+                used = self._take(data)
                 self._lock.notify_all()
-            if len(chunk) < 1 << 14:
-                # A trickle (bpftrace writes each event as it comes): let it gather, one wake-up a millisecond
-                # rather than one a line, unless `collect` waits for it.
-                self._hurry.wait(0.001)
+            del data[:used]
+        error = self._proc.stderr.read().decode(errors="replace").strip()
         with self._lock:
-            self._ended = True
+            self._ended, self._error = True, error[-2000:]
             self._lock.notify_all()
 
-    def _take(self, line: bytes, record: object) -> None:
-        """One record of bpftrace's (`line`, decoded); lost events, or anything unexpected: never trust a window
-        open now."""
-        kind, data = (record.get("type"), record.get("data")) if isinstance(record, dict) else (None, None)
-        if kind == "attached_probes":
-            return
-        if kind != "printf" or not isinstance(data, str) or not data.endswith("\n"):
-            self._lose(line)
-            return
-        tag, _, rest = data[:-1].partition("\t")
-        try:
-            if tag == "E":
-                ns, tid, cg, name, result, dirfd, flags, base, made, root, path = rest.split("\t", 10)
-                event = Event(int(ns), int(tid), name, int(result), int(dirfd), int(flags), base, made, root)
-                self._add(int(cg), event, path)
-            elif tag == "C":
-                ns, tid, cg, _, result, family, base, path = rest.split("\t", 7)
-                self._add(int(cg), Event(int(ns), int(tid), "connect", int(result), int(family), 0, base), path)
-            elif tag == "H":
-                ns, _, cg, name, _ = rest.split("\t")
-                window = self._windows.get(int(cg))
-                if window is not None and window.hazard is None and int(ns) >= window.since:
+    def _take(self, data: bytearray) -> int:
+        """Take the whole records at the start of `data`; how many bytes they were."""
+        at, end, size = 0, len(data), _HEAD.size
+        while end - at >= 4:
+            n = int.from_bytes(data[at : at + 4], "little")
+            if end - at - 4 < n:
+                break
+            start, at = at + 4, at + 4 + n
+            if n < size:
+                self._unreadable += 1
+                continue
+            ns, cg, result, dirfd, flags, bm, bd, mm, md, rm, rd, tid, call, kind = _HEAD.unpack_from(data, start)
+            if kind == ord("E") or kind == ord("C"):
+                window = self._windows.get(cg)
+                if window is not None and ns >= window.since and call < len(NAMES):
+                    path = bytes(data[start + size : at - 1]) if n > size else b""
+                    base, made, root = f"{bm:x}:{bd:x}", f"{mm:x}:{md:x}", f"{rm:x}:{rd:x}"
+                    window.events.append(Event(ns, tid, NAMES[call], result, dirfd, flags, base, made, root, path))
+            elif kind == ord("H"):
+                window = self._windows.get(cg)
+                if window is not None and window.hazard is None and ns >= window.since:
+                    name = NAMES[call] if call < len(NAMES) else "an unknown call"
                     window.hazard = f"{name} (not described by file digests)"
-            elif tag == "U":
-                group, watched = rest.split("\t")
-                window = self._windows.get(int(group))
+            elif kind == ord("U"):
+                self._kernel_lost = max(self._kernel_lost, flags)
+                window = self._windows.get(cg)
                 if window is not None:
                     # Any unwatch that found the group unwatched counts, whatever the order of the records: a
                     # collect cancelled in its thread may unwatch the group after the next command watched it.
-                    window.watched = watched == "1" and window.watched is not False
-            elif tag == "Y":
-                cpu, token = rest.split("\t")
-                self._synced[int(cpu)] = max(self._synced[int(cpu)], int(token))
-            elif data == "READY\n":
-                self._ready = True
+                    window.watched = result == 1 and window.watched is not False
+            elif kind == ord("Y"):
+                self._kernel_lost = max(self._kernel_lost, flags)
+                self._synced = max(self._synced, result)
             else:
-                self._lose(line)
-        except ValueError:
-            self._lose(line)
+                self._unreadable += 1
+        return at
 
-    def _add(self, group: int, event: Event, path: str) -> None:
-        window = self._windows.get(group)
-        if window is not None and event.ns >= window.since:
-            event.path = path.encode(errors="surrogateescape")
-            window.events.append(event)
-
-    def _lose(self, line: bytes) -> None:
-        self._lost += 1
-        log.debug("eBPF tracer: events lost (%r)", line[:200])
+    @property
+    def _lost(self) -> int:
+        return self._unreadable + self._kernel_lost
 
     def _mark(self, op: int, value: int) -> None:
-        """A marker call (see `_WATCH`): bpftrace's program acts on it before the call returns."""
+        """A marker call (see `_WATCH`): the kernel side acts on it before the call returns."""
         with contextlib.suppress(OSError):
             os.lseek(-1, value, self._tag << 2 | op)
 
@@ -453,7 +446,7 @@ class Bpftrace:
 
     @property
     def lost_count(self) -> int:
-        """How many times events were lost (or a line came unreadable) since the start."""
+        """How many records were lost (or came unreadable) since the start, as far as this side knows yet."""
         with self._lock:
             return self._lost
 
@@ -481,27 +474,21 @@ class Bpftrace:
             return True
 
     def collect(self, window: Window) -> tuple[list[Event], str | None]:
-        """After the command begun with `window` ended: its events, and why they cannot be used, if so."""
+        """After the command begun with `window` ended: its events, and why they cannot be used, if so. One buffer
+        for all CPUs, read in the order records were made: once the sync marker's record (made after the command's
+        last call) is read, so is every record of the command."""
+        self._mark(_UNWATCH, window.group)
         with self._lock:
             self._token += 1
             token = self._token
-            self._waiting += 1
-            self._hurry.set()  # the reader takes what comes without its trickle wait from now on
-        self._mark(_UNWATCH, window.group)  # its record comes before this CPU's sync marker's
-        mask = os.sched_getaffinity(0)
-        try:
-            for cpu in self._cpus:
-                os.sched_setaffinity(0, {cpu})
-                self._mark(_SYNC, token)
-        finally:
-            os.sched_setaffinity(0, mask)
+        done = False
+        for _ in range(60):  # a marker the full buffer had no room for is made again, a second later
+            self._mark(_SYNC, token)
+            with self._lock:
+                done = self._lock.wait_for(lambda: self._ended or self._synced >= token, timeout=1)
+            if done:
+                break
         with self._lock:
-            done = self._lock.wait_for(
-                lambda: self._ended or all(self._synced[c] >= token for c in self._cpus), timeout=60
-            )
-            self._waiting -= 1
-            if not self._waiting:
-                self._hurry.clear()
             if not self._close(window):
                 return [], "the eBPF tracer's window was closed meanwhile"
             if self._ended or not done:
@@ -514,41 +501,12 @@ class Bpftrace:
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGINT)  # how bpftrace is told to stop (it detaches its programs)
+            self._proc.send_signal(signal.SIGINT)  # how the tracer is told to stop (it detaches its programs)
             try:
                 self._proc.wait(10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-
-
-def _start_bpftrace() -> None:
-    """bpftrace's `preexec_fn`: it dies with its parent, and is batched (see `_batched`)."""
-    die_with_parent()
-    _batched()
-
-
-def _batched() -> None:
-    """Make the calling thread SCHED_BATCH: woken, it waits for its turn instead of preempting what runs. Woken for
-    every event, bpftrace took the core from the traced command over a hundred times in a 10 ms `cat` (and the command
-    waited for each record's formatting); batched, it runs about ten times and takes what came meanwhile at once."""
-    with contextlib.suppress(OSError):
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-
-
-def _decode(lines: list[bytes]) -> list[object]:
-    """bpftrace's JSON lines, all in one decoding when they are all JSON; a line that is not: None."""
-    with contextlib.suppress(ValueError):
-        found = json.loads(b"[" + b",".join(lines) + b"]")
-        if isinstance(found, list) and len(found) == len(lines):
-            return found
-    out: list[object] = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            out.append(None)
-    return out
 
 
 def to_trace(events: list[Event], hazard: str | None, resolve: object) -> Trace:
@@ -643,7 +601,7 @@ def to_trace(events: list[Event], hazard: str | None, resolve: object) -> Trace:
 
 
 def read_set(
-    tracer: Bpftrace, window: Window, root: str, cache: dict[tuple[int, ...], str], known: Known
+    tracer: Tracer, window: Window, root: str, cache: dict[tuple[int, ...], str], known: Known
 ) -> tuple[dict[str, str] | None, str]:
     """The read set in `root` of the command watched through `window`, or None and why (see _reads.read_set).
     Collected and digested in one thread: each hop between threads is a wake-up on the call's critical path."""

@@ -1,0 +1,385 @@
+// SPDX-License-Identifier: Apache-2.0 OR GPL-2.0-only
+// The kernel side of the read-set tracer (see _ebpf.py): two programs on the raw system call tracepoints, for every
+// thread of every process, that act only for the processes of the cgroups in `watched` (a command's sandbox group,
+// from the command's start to its end). For each traced call they put one record in one ring buffer shared by all
+// CPUs, without waking the reader: it is woken by the marker records (the end of a command's window) or when the
+// buffer fills up. Waking it for every record (one interrupt each, 10-13 us in a VM) was most of bpftrace's cost.
+//
+// calls.h, written by _ebpf.py, says which system calls are traced and where their arguments are.
+
+#include <linux/bpf.h>
+#include <linux/types.h>
+#include <asm/unistd.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
+
+// The kernel's types, as much of them as is read here: libbpf finds each field in the running kernel's BTF.
+struct vfsmount;
+struct dentry;
+struct path {
+	struct vfsmount *mnt;
+	struct dentry *dentry;
+} __attribute__((preserve_access_index));
+struct fs_struct {
+	struct path root, pwd;
+} __attribute__((preserve_access_index));
+struct file {
+	struct path f_path;
+} __attribute__((preserve_access_index));
+struct fdtable {
+	unsigned int max_fds;
+	struct file **fd;
+} __attribute__((preserve_access_index));
+struct files_struct {
+	struct fdtable *fdt;
+} __attribute__((preserve_access_index));
+struct thread_info {
+	__u32 status;
+} __attribute__((preserve_access_index));
+struct task_struct {
+	struct thread_info thread_info;
+	struct fs_struct *fs;
+	struct files_struct *files;
+} __attribute__((preserve_access_index));
+struct pt_regs {
+	unsigned long di, si, dx, r10, r8, r9, orig_ax;
+} __attribute__((preserve_access_index));
+
+#define TS_COMPAT 0x0002 // x86: the thread is in a 32-bit system call (int 0x80, sysenter), numbered otherwise
+#define X32_SYSCALL_BIT 0x40000000
+#define AT_FDCWD -100
+#define AT_EMPTY_PATH 0x1000
+#define PATH_MAX 4096
+
+// How a call is traced (struct call's kind).
+enum { PATH_CALL = 1, FD_CALL, HAZARD, CONNECT, EXECVE };
+// What a call made that later relative paths start from (struct call's made).
+enum { MADE_FD = 1, MADE_PWD };
+// What a record is (struct record's kind); the marker calls' ops (see _ebpf.py).
+enum { EVENT = 'E', RISK = 'H', SOCKET = 'C', UNWATCHED = 'U', SYNCED = 'Y' };
+enum { WATCH = 1, UNWATCH = 2, SYNC = 3 };
+
+struct call {
+	__u8 kind, made, fstat;
+	__s8 dfd, path, flags; // argument positions, -1: none
+	__u16 index;           // the call's place in _ebpf.py's list of names
+};
+
+#include "calls.h"
+
+// One record; _ebpf.py reads the same layout (_HEAD). Identities are (mount, dentry) addresses.
+struct record {
+	__u64 ns, cgroup;
+	__s64 result, dirfd, flags; // U: result is "was watched", flags the losses; Y: result the token
+	__u64 base[2], made[2], root[2];
+	__u32 tid;
+	__u16 call;
+	__u8 kind, pad;
+	char path[PATH_MAX];
+};
+#define HEAD (sizeof(struct record) - PATH_MAX)
+
+struct args {
+	__u64 nr, a[6];
+};
+
+struct config {
+	__u32 pid, tag; // the marker calls' process and tag
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 25); // set by the loader
+} events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, __u8);
+} watched SEC(".maps");
+
+// A traced call's arguments from its entry to its exit, by thread.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1 << 16);
+	__type(key, __u32);
+	__type(value, struct args);
+} pending SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct record);
+} scratch SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 2); // 0: the config; 1: records lost so far
+	__type(key, __u32);
+	__type(value, __u64);
+} state SEC(".maps");
+
+static __u64 *slot(__u32 k)
+{
+	return bpf_map_lookup_elem(&state, &k);
+}
+
+static void lose(void)
+{
+	__u64 *lost = slot(1);
+	if (lost)
+		__sync_fetch_and_add(lost, 1);
+}
+
+static struct record *blank(char kind)
+{
+	__u32 zero = 0;
+	struct record *r = bpf_map_lookup_elem(&scratch, &zero);
+	if (!r)
+		return 0;
+	__builtin_memset(r, 0, HEAD);
+	__u64 id = bpf_get_current_pid_tgid();
+	r->ns = bpf_ktime_get_ns();
+	r->tid = (__u32)id;
+	r->cgroup = bpf_get_current_cgroup_id();
+	r->kind = kind;
+	return r;
+}
+
+// Put `r` with `len` bytes of path in the buffer. Markers wake the reader; events only when it falls behind.
+static void emit(struct record *r, long len, int wake)
+{
+	__u64 size = HEAD + (len > 0 ? (__u64)len : 0);
+	if (size > sizeof(*r))
+		size = sizeof(*r);
+	__u64 flags = BPF_RB_NO_WAKEUP;
+	if (wake || bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) > bpf_ringbuf_query(&events, BPF_RB_RING_SIZE) / 8)
+		flags = BPF_RB_FORCE_WAKEUP;
+	if (bpf_ringbuf_output(&events, r, size, flags) < 0)
+		lose();
+}
+
+static void of_path(struct path *p, __u64 out[2])
+{
+	out[0] = (__u64)BPF_CORE_READ(p, mnt);
+	out[1] = (__u64)BPF_CORE_READ(p, dentry);
+}
+
+static void of_fd(struct task_struct *task, long fd, __u64 out[2])
+{
+	struct fdtable *fdt = BPF_CORE_READ(task, files, fdt);
+	if (!fdt || fd < 0 || fd >= BPF_CORE_READ(fdt, max_fds))
+		return;
+	struct file **fds = BPF_CORE_READ(fdt, fd);
+	struct file *f = 0;
+	bpf_probe_read_kernel(&f, sizeof(f), &fds[fd]);
+	if (f) {
+		out[0] = (__u64)BPF_CORE_READ(f, f_path.mnt);
+		out[1] = (__u64)BPF_CORE_READ(f, f_path.dentry);
+	}
+}
+
+static void of_pwd(struct task_struct *task, __u64 out[2])
+{
+	struct fs_struct *fs = BPF_CORE_READ(task, fs);
+	if (fs)
+		of_path(&fs->pwd, out);
+}
+
+static void of_root(struct task_struct *task, __u64 out[2])
+{
+	struct fs_struct *fs = BPF_CORE_READ(task, fs);
+	if (fs)
+		of_path(&fs->root, out);
+}
+
+static void hazard(__u16 index, long result)
+{
+	struct record *r = blank(RISK);
+	if (!r) {
+		lose();
+		return;
+	}
+	r->call = index;
+	r->result = result;
+	emit(r, 0, 0);
+}
+
+static void marker(__u64 op, __u64 value)
+{
+	__u64 *lost = slot(1);
+	__u64 losses = lost ? *lost : 0;
+	if (op == WATCH) {
+		__u8 one = 1;
+		bpf_map_update_elem(&watched, &value, &one, BPF_ANY); // full: the window's U record says so
+		return;
+	}
+	struct record *r = blank(op == UNWATCH ? UNWATCHED : SYNCED);
+	if (!r) {
+		lose();
+		return;
+	}
+	r->flags = (__s64)losses;
+	if (op == UNWATCH) {
+		r->cgroup = value;
+		r->result = bpf_map_lookup_elem(&watched, &value) != 0;
+		bpf_map_delete_elem(&watched, &value);
+	} else {
+		r->result = (__s64)value;
+	}
+	emit(r, 0, 1);
+}
+
+// Argument `k` of a stashed call, or 0 (k < 0: the call has none).
+static __u64 stashed(struct args *a, int k)
+{
+	switch (k) {
+	case 0: return a->a[0];
+	case 1: return a->a[1];
+	case 2: return a->a[2];
+	case 3: return a->a[3];
+	case 4: return a->a[4];
+	case 5: return a->a[5];
+	default: return 0;
+	}
+}
+
+static __u64 arg(struct pt_regs *regs, int k)
+{
+	switch (k) {
+	case 0: return BPF_CORE_READ(regs, di);
+	case 1: return BPF_CORE_READ(regs, si);
+	case 2: return BPF_CORE_READ(regs, dx);
+	case 3: return BPF_CORE_READ(regs, r10);
+	case 4: return BPF_CORE_READ(regs, r8);
+	default: return BPF_CORE_READ(regs, r9);
+	}
+}
+
+SEC("raw_tracepoint/sys_enter")
+int enter(struct bpf_raw_tracepoint_args *ctx)
+{
+	struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
+	long nr = (long)ctx->args[1];
+	if (nr == __NR_lseek && (int)arg(regs, 0) == -1) {
+		__u64 *config = slot(0);
+		__u64 whence = arg(regs, 2);
+		if (config && (bpf_get_current_pid_tgid() >> 32) == (__u32)*config && (whence >> 2) == (*config >> 32))
+			marker(whence & 3, arg(regs, 1));
+		return 0;
+	}
+	__u64 cgroup = bpf_get_current_cgroup_id();
+	if (!bpf_map_lookup_elem(&watched, &cgroup))
+		return 0;
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	if ((BPF_CORE_READ(task, thread_info.status) & TS_COMPAT) || (nr & X32_SYSCALL_BIT)) {
+		hazard(COMPAT_INDEX, 0);
+		return 0;
+	}
+	if (nr < 0 || nr >= CALLS_MAX) {
+		hazard(NEWER_INDEX, nr);
+		return 0;
+	}
+	const struct call *c = &CALLS[nr];
+	if (c->kind == 0) {
+		if (nr > LAST_KNOWN)
+			hazard(NEWER_INDEX, nr);
+		return 0;
+	}
+	if (c->kind == HAZARD) {
+		hazard(c->index, 0);
+		return 0;
+	}
+	if (c->kind == EXECVE) {
+		// The name is read on entry: at the exit, the old memory is gone. Its result does not matter here.
+		struct record *r = blank(EVENT);
+		if (!r) {
+			lose();
+			return 0;
+		}
+		r->call = c->index;
+		r->dirfd = AT_FDCWD;
+		of_pwd(task, r->base);
+		of_root(task, r->root);
+		long len = bpf_probe_read_user_str(r->path, PATH_MAX, (void *)arg(regs, 0));
+		emit(r, len, 0);
+		return 0;
+	}
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct args a = {.nr = nr};
+	for (int k = 0; k < 6; k++)
+		a.a[k] = arg(regs, k);
+	if (bpf_map_update_elem(&pending, &tid, &a, BPF_ANY) < 0)
+		lose();
+	return 0;
+}
+
+SEC("raw_tracepoint/sys_exit")
+int leave(struct bpf_raw_tracepoint_args *ctx)
+{
+	__u64 cgroup = bpf_get_current_cgroup_id();
+	if (!bpf_map_lookup_elem(&watched, &cgroup))
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct args *a = bpf_map_lookup_elem(&pending, &tid);
+	if (!a)
+		return 0;
+	__u64 nr = a->nr;
+	struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
+	if (nr != BPF_CORE_READ(regs, orig_ax) || nr >= CALLS_MAX) {
+		bpf_map_delete_elem(&pending, &tid);
+		return 0;
+	}
+	const struct call *c = &CALLS[nr];
+	struct record *r = blank(c->kind == CONNECT ? SOCKET : EVENT);
+	if (!r) {
+		bpf_map_delete_elem(&pending, &tid);
+		lose();
+		return 0;
+	}
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	long ret = (long)ctx->args[1];
+	long len = 0;
+	r->call = c->index;
+	r->result = ret;
+	of_root(task, r->root);
+	if (c->kind == CONNECT) {
+		// A failed connection to a Unix socket's path probes that path; any other connection is a hazard.
+		__u16 family = 0;
+		bpf_probe_read_user(&family, sizeof(family), (void *)a->a[1]);
+		r->dirfd = family;
+		of_pwd(task, r->base);
+		len = bpf_probe_read_user_str(r->path, PATH_MAX, (void *)(a->a[1] + 2));
+	} else if (c->kind == FD_CALL) {
+		r->dirfd = (int)a->a[0];
+		of_fd(task, r->dirfd, r->base);
+		if (c->made == MADE_PWD)
+			of_pwd(task, r->made);
+	} else {
+		r->dirfd = c->dfd >= 0 ? (int)stashed(a, c->dfd) : AT_FDCWD;
+		r->flags = (__s64)stashed(a, c->flags);
+		if (r->dirfd == AT_FDCWD)
+			of_pwd(task, r->base);
+		else
+			of_fd(task, r->dirfd, r->base);
+		if (ret >= 0 && c->made == MADE_FD)
+			of_fd(task, ret, r->made);
+		if (ret >= 0 && c->made == MADE_PWD)
+			of_pwd(task, r->made);
+		len = bpf_probe_read_user_str(r->path, PATH_MAX, (void *)stashed(a, c->path));
+		// fstat of an open file (glibc's fstat is newfstatat(fd, "", AT_EMPTY_PATH)): a third of all calls,
+		// and the open that made the descriptor is recorded.
+		if (c->fstat && (r->flags & AT_EMPTY_PATH) && len == 1) {
+			bpf_map_delete_elem(&pending, &tid);
+			return 0;
+		}
+	}
+	bpf_map_delete_elem(&pending, &tid);
+	emit(r, len, 0);
+	return 0;
+}
+
+// The kernel lets only GPL-compatible programs read its memory: this file is offered under GPL-2.0 as well.
+char LICENSE[] SEC("license") = "GPL";
