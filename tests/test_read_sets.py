@@ -1004,3 +1004,20 @@ def test_the_cache_reuses_by_read_sets_and_every_answer_equals_the_uncached_hist
     wrong, naive, stats = asyncio.run(main())
     assert wrong == 0 and stats["read_set_hits"] > 0, stats
     assert naive > 0  # the control: the same rollouts through a (tool, args) cache get wrong answers
+
+
+def test_the_ebpf_tracer_says_what_it_needs_to_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without clang and nothing built yet, the eBPF tracer is not available (factories use strace), and asked to
+    build anyway it says what to install. The control: with clang on the PATH it builds, into the user's cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert not _ebpf.available()
+    with pytest.raises(OSError, match="apt-get install clang libbpf-dev"):
+        _ebpf.build()
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    if not _ebpf.available():
+        pytest.skip("no clang and libbpf here")
+    built = _ebpf.build()
+    assert built.parent == tmp_path / "tvcache" / "ebpf" and (built / "tracer").is_file()
+    assert _ebpf.build() == built  # kept
