@@ -37,7 +37,7 @@ from test_oracle import NaiveCache
 from test_workspace import usable
 from tvcache import ToolCall
 from tvcache.reads import Writes, digest_in
-from tvcache.sandboxes.workspace import WorkspaceSandboxes, _ebpf, _reads
+from tvcache.sandboxes.workspace import WorkspaceSandboxes, _bpf, _ebpf, _reads
 from tvcache.sandboxes.workspace._changes import MAX_ENTRIES
 
 EXAMPLES = int(os.environ.get("TVCACHE_FUZZ_EXAMPLES", "12"))
@@ -294,11 +294,29 @@ def test_the_ebpf_tracer_sees_what_strace_sees() -> None:
     asyncio.run(main())
 
 
+@contextlib.contextmanager
+def reader_held(tracer: _ebpf.Tracer) -> Iterator[None]:
+    """Keep the tracer's thread from taking records (a stand-in for a machine too busy to run it): only `collect`
+    reads the buffer meanwhile."""
+    drain, release = tracer._drain, threading.Event()
+
+    def held() -> None:
+        if threading.current_thread() is tracer._reader:
+            release.wait()
+        drain()
+
+    tracer._drain = held  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        tracer._drain = drain  # type: ignore[method-assign]
+        release.set()
+
+
 @NO_EBPF
 def test_lost_ebpf_events_give_no_read_set() -> None:
-    """A tracer whose buffer holds one page, stopped (SIGSTOP) while a command makes thousands of records (a Python
-    start), loses most of them, and the sync marker's too (made again until one gets through, once the tracer is
-    resumed): the call has no read set. The control: the same command under the usual tracer has one."""
+    """A tracer whose buffer holds one page, not read while a command makes thousands of records (a Python start),
+    loses most of them: the call has no read set. The control: the same command under the usual tracer has one."""
 
     async def main() -> None:
         with tree({"a.txt": "A\n"}) as base:
@@ -310,12 +328,10 @@ def test_lost_ebpf_events_give_no_read_set() -> None:
                 assert (await box.execute(command)).reads is not None
                 usual = boxes._ebpf
                 small = await asyncio.to_thread(lambda: _ebpf.Tracer(ring=4096))
-                assert small._proc is not None
                 try:
                     boxes._ebpf = small
-                    os.kill(small._proc.pid, signal.SIGSTOP)
-                    threading.Timer(1.5, os.kill, (small._proc.pid, signal.SIGCONT)).start()
-                    done = await box.execute(command)
+                    with reader_held(small):
+                        done = await box.execute(command)
                     assert done.output == {"output": "A\n", "exit_code": 0}
                     assert small.lost_count > 0 and done.reads is None
                 finally:
@@ -328,30 +344,40 @@ def test_lost_ebpf_events_give_no_read_set() -> None:
 @NO_EBPF
 def test_a_probe_right_before_the_exit_is_in_the_read_set() -> None:
     """The last system call of a command (a probe of a missing file, then the process exits: no shell, no trap after
-    it) is in the read set, whichever CPU it ran on, even when the tracer is behind: here it is stopped (SIGSTOP) for
-    the whole command and
-    resumed a moment after, while the events wait in the kernel's buffers. `collect` must wait until each CPU's
-    buffer has been read past the command's end, not take what the reader has so far (then: no event at all)."""
+    it) is in the read set, whichever CPU it ran on, with the tracer's thread held: `collect` must read the buffer
+    up to its sync marker's record itself, not take what the thread has so far (then: no event at all)."""
 
     async def main() -> None:
         async with ebpf_box({"a.txt": "A\n"}) as (_, tracer, box):
-            assert tracer._proc is not None
-            pid = tracer._proc.pid
-            run = box._run
+            with reader_held(tracer):
+                for cpu in [*sorted(os.sched_getaffinity(0)), None]:  # on each CPU, then anywhere
+                    pin = "" if cpu is None else f"taskset -c {cpu} "
+                    done = await box.execute(bash(f"exec {pin}/usr/bin/test -e /testbed/probe"))
+                    assert done.output == {"output": "", "exit_code": 1} and done.reads is not None
+                    assert done.reads.get("path:/testbed/probe") == "" and "walk:/testbed" in done.reads
 
-            async def behind(command: str) -> Any:
-                os.kill(pid, signal.SIGSTOP)
-                try:
-                    return await run(command)
-                finally:
-                    threading.Timer(0.5, os.kill, (pid, signal.SIGCONT)).start()
+    asyncio.run(main())
 
-            box._run = behind  # type: ignore[method-assign]
-            for cpu in [*sorted(os.sched_getaffinity(0)), None]:  # on each CPU (its own buffer), then anywhere
-                pin = "" if cpu is None else f"taskset -c {cpu} "
-                done = await box.execute(bash(f"exec {pin}/usr/bin/test -e /testbed/probe"))
-                assert done.output == {"output": "", "exit_code": 1} and done.reads is not None
-                assert done.reads.get("path:/testbed/probe") == "" and "walk:/testbed" in done.reads
+
+@NO_EBPF
+def test_a_forked_child_never_reads_its_parents_tracer() -> None:
+    """The kernel's buffer is shared memory, which a forked child inherits: records it took would be gone from the
+    parent's windows, and the parent's read sets would miss them. The child's collect refuses (the control: the
+    parent's command, collected after the child's attempt, has every record)."""
+
+    async def main() -> None:
+        async with ebpf_box({"a.txt": "A\n"}) as (_, tracer, box):
+            window = tracer.begin(group_of(box))
+            assert (await box._run("cat /testbed/a.txt")).output == "A\n"
+            child = os.fork()
+            if child == 0:  # pragma: no cover (the child)
+                signal.alarm(10)  # a lock held by one of the parent's threads at the fork
+                events, why = tracer.collect(_ebpf.Window(window.group, 0, tracer.lost_count))
+                tracer._drain()
+                os._exit(0 if events == [] and why is not None and "forked" in why else 1)
+            assert (await asyncio.to_thread(os.waitpid, child, 0))[1] == 0
+            events, hazard = await asyncio.to_thread(tracer.collect, window)
+            assert hazard is None and any(e.path == b"/testbed/a.txt" for e in events)
 
     asyncio.run(main())
 
@@ -393,6 +419,7 @@ def test_a_cancelled_command_stops_its_watch() -> None:
             call = asyncio.create_task(box.execute(bash("sleep 30")))
             for _ in range(1200):  # until the tracer has seen the command exec sleep
                 await asyncio.sleep(0.05)
+                tracer._drain()  # the records so far (the tracer reads them when a command ends)
                 with tracer._lock:
                     windows = list(tracer._windows.values())
                     if any(e.name == "execve" and e.path.endswith(b"/sleep") for w in windows for e in w.events):
@@ -450,7 +477,7 @@ def test_a_late_unwatch_of_the_group_leaves_the_command_unwatched() -> None:
                     with tracer._lock:
                         for watched in (0, 1):
                             record = _ebpf._HEAD.pack(0, group, watched, 0, 0, *[0] * 6, 0, 0, ord("U"))
-                            tracer._take(bytearray(len(record).to_bytes(4, "little") + record))
+                            tracer._take(memoryview(record))
                 found = await asyncio.to_thread(tracer.collect, window)
                 assert (found[1] == _ebpf.NOT_WATCHED) == late
 
@@ -1013,11 +1040,11 @@ def test_the_ebpf_tracer_says_what_it_needs_to_build(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     assert not _ebpf.available()
     with pytest.raises(OSError, match="apt-get install clang libbpf-dev"):
-        _ebpf.build()
+        _bpf.build(_ebpf._calls_h())
     monkeypatch.undo()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     if not _ebpf.available():
         pytest.skip("no clang and libbpf here")
-    built = _ebpf.build()
-    assert built.parent == tmp_path / "tvcache" / "ebpf" and (built / "tracer").is_file()
-    assert _ebpf.build() == built  # kept
+    built = _bpf.build(_ebpf._calls_h())
+    assert built.parent == tmp_path / "tvcache" / "ebpf" and built.is_file()
+    assert _bpf.build(_ebpf._calls_h()) == built  # kept

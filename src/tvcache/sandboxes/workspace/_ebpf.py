@@ -1,46 +1,39 @@
 """Reads of bash commands traced with eBPF, without stopping the traced processes.
 
-One tracer process per Python process (ebpf/tracer.c, which loads ebpf/reads.bpf.c into the kernel) watches the
-processes of the cgroup v2 groups in its map `watched`: a command's sandbox group is in it from the command's start
-to its end (a marker call puts it in and takes it out, see `Tracer.begin`), so untraced sandboxes and idle ones cost
-it nothing. System call tracepoints, no ptrace stops: a command runs at nearly its untraced speed, with the PIDs it
-has untraced. Each traced call records, at its exit (when the kernel has copied the path in), the path it named,
-its directory descriptor, flags and result, and as kernel identities (mount, dentry) the directory a relative path
-starts from (the descriptor's file or the working directory), the file an open made and the process's root.
-Identities become paths here: a directory a command uses was opened or entered by a traced call of the same command,
-whose path is known; an identity never seen makes the read set None. The paths are then resolved in the sandbox's
-root as _reads does for strace's, into the same keys.
+One tracer per Python process (ebpf/reads.bpf.c, loaded into the kernel by _bpf) watches the processes of the cgroup
+v2 groups in its map `watched`: a command's sandbox group is in it from the command's start to its end (a marker call
+puts it in and takes it out, see `Tracer.begin`), so untraced sandboxes and idle ones cost it nothing. System call
+tracepoints, no ptrace stops: a command runs at nearly its untraced speed, with the PIDs it has untraced. Each traced
+call records, at its exit (when the kernel has copied the path in), the path it named, its directory descriptor,
+flags and result, and as kernel identities (mount, dentry) the directory a relative path starts from (the
+descriptor's file or the working directory), the file an open made and the process's root. Identities become paths
+here: a directory a command uses was opened or entered by a traced call of the same command, whose path is known; an
+identity never seen makes the read set None. The paths are then resolved in the sandbox's root as _reads does for
+strace's, into the same keys.
 
-Records go to one ring buffer for all CPUs without waking the tracer; after a command, a marker call's record (which
-wakes it) says that the buffer has been read past the command's end. A lost record (a full buffer), a watch the map
+Records go to one ring buffer for all CPUs, which this process reads from shared memory; after a command, a marker
+call's record says the buffer has been read past the command's end. A lost record (a full buffer), a watch the map
 had no room for, or any record that cannot be read, makes the read set of every command whose window it falls in
-None. The tracer is built from its C sources with clang on first use (see `build`).
+None.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import logging
 import os
 import posixpath
 import secrets
-import shutil
-import signal
+import select
 import struct
-import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..reclaim import die_with_parent
-from . import _reads
+from . import _bpf, _reads
 from ._reads import EXEC, FOLLOW, LIST, MARK, NOFOLLOW, WALK, Digester, Known, Trace
 
-__all__ = ["NOT_WATCHED", "Event", "Tracer", "Window", "available", "build", "shared", "to_trace"]
+__all__ = ["NOT_WATCHED", "Event", "Tracer", "Window", "available", "shared", "to_trace"]
 
 #: name: (directory fd argument, path argument, flags argument), by position (None: the call has none).
 _PATH_CALLS: dict[str, tuple[int | None, int, int | None]] = {
@@ -199,7 +192,6 @@ _UNIFIED = {
 }
 #: The kernel side's record header (struct record in reads.bpf.c, up to its path).
 _HEAD = struct.Struct("<QQqqq6QIHBx")
-_SOURCES = Path(__file__).with_name("ebpf")
 
 
 def _calls_h() -> str:
@@ -229,61 +221,9 @@ def _calls_h() -> str:
     return "\n".join([*out, "};", ""])
 
 
-def _cache_home() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tvcache" / "ebpf"
-
-
-def _clang() -> str | None:
-    found = shutil.which("clang")
-    return found if found is not None and os.path.isfile("/usr/include/bpf/bpf_helpers.h") else None
-
-
-def _built() -> Path:
-    """Where this version's tracer is, or is to be, built (a name per content of its sources)."""
-    text = _calls_h()
-    digest = hashlib.sha256(text.encode())
-    for name in ("reads.bpf.c", "tracer.c"):
-        digest.update((_SOURCES / name).read_bytes())
-    digest.update(os.uname().machine.encode())
-    return _cache_home() / digest.hexdigest()[:16]
-
-
 def available() -> bool:
-    """Can the eBPF tracer run here? x86-64 (where its table of calls is), the kernel's type information (BTF,
-    for its reads of kernel structures), and either a built tracer or clang and libbpf's headers to build it."""
-    if os.uname().machine != "x86_64" or not os.path.isfile("/sys/kernel/btf/vmlinux"):
-        return False
-    return _clang() is not None or (_built() / "tracer").is_file()
-
-
-def build() -> Path:
-    """The directory of the tracer (`tracer` and its `reads.bpf.o`), built with clang on first use (about a
-    second) and kept in the user's cache, one per version of the sources. Raises OSError if it cannot be built."""
-    where = _built()
-    if (where / "tracer").is_file():
-        return where
-    clang = _clang()
-    if clang is None:
-        raise OSError("the eBPF tracer needs clang and libbpf's headers to build (apt-get install clang libbpf-dev)")
-    where.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".build-", dir=where.parent))
-    try:
-        shutil.copy(_SOURCES / "reads.bpf.c", work)
-        (work / "calls.h").write_text(_calls_h())
-        include = f"/usr/include/{os.uname().machine}-linux-gnu"
-        steps = [
-            [clang, "-O2", "-g", "-target", "bpf", f"-I{include}", "-c", "reads.bpf.c", "-o", "reads.bpf.o"],
-            [clang, "-O2", "-o", "tracer", str(_SOURCES / "tracer.c"), "-lbpf"],
-        ]
-        for argv in steps:
-            done = subprocess.run(argv, cwd=work, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise OSError(f"could not build the eBPF tracer ({argv[-1]}): {done.stderr.strip()[-2000:]}")
-        with contextlib.suppress(OSError):  # another process built it meanwhile: theirs is the same
-            work.rename(where)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return where
+    """Can the eBPF tracer run here (see _bpf.available)?"""
+    return _bpf.available(_calls_h())
 
 
 @dataclass(slots=True)
@@ -327,109 +267,79 @@ def shared() -> Tracer:
     """This process's tracer, built and started on first use, and kept for the process's life."""
     global _shared
     with _shared_lock:
-        if _shared is None or _shared.ended:
+        if _shared is None or _shared.ended or _shared._pid != os.getpid():  # a forked child makes its own
             _shared = Tracer()
         return _shared
 
 
 class Tracer:
-    """The tracer process (see reads.bpf.c and tracer.c) watching the sandbox groups of this process's traced
-    commands (see `begin`). `ring`: the size of the kernel's buffer of records, in bytes (a power of two; 32 MiB
-    holds about 200,000 records: a Python import is about 10,000)."""
+    """The eBPF programs (see reads.bpf.c and _bpf) watching the sandbox groups of this process's traced commands
+    (see `begin`). `ring`: the size of the kernel's buffer of records, in bytes (a power of two; 32 MiB holds about
+    200,000 records: a Python import is about 10,000). A thread takes records when the buffer fills up (an eighth
+    of it; the kernel wakes it then), `collect` takes the rest itself."""
 
     def __init__(self, *, ring: int = 32 << 20):
-        where = build()
         # Tells this tracer's marker calls from another's in the same process (a test's second tracer).
         self._tag = secrets.randbelow(1 << 28) + 1
-        argv = [str(where / "tracer"), str(where / "reads.bpf.o"), str(os.getpid()), str(self._tag), str(ring)]
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._pid = os.getpid()
+        self._program = _bpf.Program(_bpf.build(_calls_h()), ring=ring, config=self._pid | self._tag << 32)
         self._lock = threading.Condition()
         self._windows: dict[int, Window] = {}
         self._synced = 0
         self._unreadable = 0  # records this side could not read
         self._kernel_lost = 0  # records the kernel could not write, as it last said
         self._token = 0
-        self._ready = False
         self._ended = False
-        self._error = ""
-        self._reader = threading.Thread(target=self._read, args=(argv,), daemon=True)
+        self._wake, self._waker = os.pipe()  # `close` ends the thread's wait
+        self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        with self._lock:
-            self._lock.wait_for(lambda: self._ready or self._ended, timeout=60)
-        if not self._ready:
-            self.close()
-            raise OSError(f"the eBPF tracer did not start: {self._error or 'no answer in 60 s'}")
 
-    def _read(self, argv: list[str]) -> None:
-        """Start the tracer and take its records, as many as have come at once, in one hold of the lock."""
-        try:
-            # Started by this thread, which lives as long as this process: the kernel kills the tracer with it.
-            pipe, none = subprocess.PIPE, subprocess.DEVNULL
-            self._proc = subprocess.Popen(argv, stdout=pipe, stderr=pipe, stdin=none, preexec_fn=die_with_parent)
-        except OSError as exc:
-            with self._lock:
-                self._ended, self._error = True, str(exc)
-                self._lock.notify_all()
+    def _read(self) -> None:
+        """Take records whenever the kernel says the buffer filled up, until `close`."""
+        with select.epoll() as poll:
+            poll.register(self._program.ring.fd, select.EPOLLIN)
+            poll.register(self._wake, select.EPOLLIN)
+            while not any(fd == self._wake for fd, _ in poll.poll()):
+                self._drain()
+
+    def _drain(self) -> None:
+        """Take what the buffer holds: here, by the thread when it filled up, and by `collect` after a command."""
+        if os.getpid() != self._pid:  # a forked child: the buffer is its parent's to read
             return
-        assert self._proc.stdout is not None and self._proc.stderr is not None
-        out, data = self._proc.stdout.fileno(), bytearray()
-        with contextlib.suppress(OSError):  # room for a burst while this thread waits
-            fcntl.fcntl(out, fcntl.F_SETPIPE_SZ, 1 << 20)
-        while chunk := os.read(out, 1 << 20):
-            data += chunk
-            if not self._ready:
-                if b"\n" not in data:
-                    continue
-                line, _, rest = bytes(data).partition(b"\n")
-                data = bytearray(rest)
-                with self._lock:
-                    self._ready = line == b"READY"
-                    self._lock.notify_all()
-            with self._lock:
-                used = self._take(data)
-                self._lock.notify_all()
-            del data[:used]
-        error = self._proc.stderr.read().decode(errors="replace").strip()
         with self._lock:
-            self._ended, self._error = True, error[-2000:]
-            self._lock.notify_all()
+            if not self._ended:
+                self._program.ring.take(self._take)
 
-    def _take(self, data: bytearray) -> int:
-        """Take the whole records at the start of `data`; how many bytes they were."""
-        at, end, size = 0, len(data), _HEAD.size
-        while end - at >= 4:
-            n = int.from_bytes(data[at : at + 4], "little")
-            if end - at - 4 < n:
-                break
-            start, at = at + 4, at + 4 + n
-            if n < size:
-                self._unreadable += 1
-                continue
-            ns, cg, result, dirfd, flags, bm, bd, mm, md, rm, rd, tid, call, kind = _HEAD.unpack_from(data, start)
-            if kind == ord("E") or kind == ord("C"):
-                window = self._windows.get(cg)
-                if window is not None and ns >= window.since and call < len(NAMES):
-                    path = bytes(data[start + size : at - 1]) if n > size else b""
-                    base, made, root = f"{bm:x}:{bd:x}", f"{mm:x}:{md:x}", f"{rm:x}:{rd:x}"
-                    window.events.append(Event(ns, tid, NAMES[call], result, dirfd, flags, base, made, root, path))
-            elif kind == ord("H"):
-                window = self._windows.get(cg)
-                if window is not None and window.hazard is None and ns >= window.since:
-                    name = NAMES[call] if call < len(NAMES) else "an unknown call"
-                    window.hazard = f"{name} (not described by file digests)"
-            elif kind == ord("U"):
-                self._kernel_lost = max(self._kernel_lost, flags)
-                window = self._windows.get(cg)
-                if window is not None:
-                    # Any unwatch that found the group unwatched counts, whatever the order of the records: a
-                    # collect cancelled in its thread may unwatch the group after the next command watched it.
-                    window.watched = result == 1 and window.watched is not False
-            elif kind == ord("Y"):
-                self._kernel_lost = max(self._kernel_lost, flags)
-                self._synced = max(self._synced, result)
-            else:
-                self._unreadable += 1
-        return at
+    def _take(self, record: memoryview) -> None:
+        """One record (see reads.bpf.c's struct record)."""
+        size, n = _HEAD.size, len(record)
+        if n < size:
+            self._unreadable += 1
+            return
+        ns, cg, result, dirfd, flags, bm, bd, mm, md, rm, rd, tid, call, kind = _HEAD.unpack_from(record)
+        if kind == ord("E") or kind == ord("C"):
+            window = self._windows.get(cg)
+            if window is not None and ns >= window.since and call < len(NAMES):
+                path = bytes(record[size : n - 1]) if n > size else b""
+                base, made, root = f"{bm:x}:{bd:x}", f"{mm:x}:{md:x}", f"{rm:x}:{rd:x}"
+                window.events.append(Event(ns, tid, NAMES[call], result, dirfd, flags, base, made, root, path))
+        elif kind == ord("H"):
+            window = self._windows.get(cg)
+            if window is not None and window.hazard is None and ns >= window.since:
+                name = NAMES[call] if call < len(NAMES) else "an unknown call"
+                window.hazard = f"{name} (not described by file digests)"
+        elif kind == ord("U"):
+            self._kernel_lost = max(self._kernel_lost, flags)
+            window = self._windows.get(cg)
+            if window is not None:
+                # Any unwatch that found the group unwatched counts, whatever the order of the records: a
+                # collect cancelled in its thread may unwatch the group after the next command watched it.
+                window.watched = result == 1 and window.watched is not False
+        elif kind == ord("Y"):
+            self._kernel_lost = max(self._kernel_lost, flags)
+            self._synced = max(self._synced, result)
+        else:
+            self._unreadable += 1
 
     @property
     def _lost(self) -> int:
@@ -475,23 +385,30 @@ class Tracer:
 
     def collect(self, window: Window) -> tuple[list[Event], str | None]:
         """After the command begun with `window` ended: its events, and why they cannot be used, if so. One buffer
-        for all CPUs, read in the order records were made: once the sync marker's record (made after the command's
-        last call) is read, so is every record of the command."""
+        for all CPUs, in the order records were made, read here: once the sync marker's record (made after the
+        command's last call) is read, so is every record of the command."""
+        if os.getpid() != self._pid:  # a forked child: the buffer is its parent's to read
+            return [], "the eBPF tracer belongs to the process this one was forked from"
         self._mark(_UNWATCH, window.group)
         with self._lock:
             self._token += 1
             token = self._token
-        done = False
-        for _ in range(60):  # a marker the full buffer had no room for is made again, a second later
-            self._mark(_SYNC, token)
+        start = time.monotonic()
+        marked = -1
+        while (waited := time.monotonic() - start) < 60:
+            if int(waited) > marked:  # a marker the full buffer had no room for is made again, a second later
+                marked = int(waited)
+                self._mark(_SYNC, token)
+            self._drain()
             with self._lock:
-                done = self._lock.wait_for(lambda: self._ended or self._synced >= token, timeout=1)
-            if done:
-                break
+                if self._ended or self._synced >= token:
+                    break
+            # Behind a record another CPU has reserved and not yet written (microseconds), or a full buffer.
+            time.sleep(0.0002 if waited < 0.01 else 0.01)
         with self._lock:
             if not self._close(window):
                 return [], "the eBPF tracer's window was closed meanwhile"
-            if self._ended or not done:
+            if self._ended or self._synced < token:
                 return [], "the eBPF tracer stopped"
             if not window.watched:
                 return [], NOT_WATCHED
@@ -500,13 +417,16 @@ class Tracer:
             return window.events, window.hazard
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGINT)  # how the tracer is told to stop (it detaches its programs)
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        """Detach the programs (in the process that made them; a forked child's copy does nothing)."""
+        with self._lock:
+            if self._ended or os.getpid() != self._pid:
+                return
+            self._ended = True
+            os.write(self._waker, b"x")
+        self._reader.join()
+        self._program.close()
+        os.close(self._wake)
+        os.close(self._waker)
 
 
 def to_trace(events: list[Event], hazard: str | None, resolve: object) -> Trace:
