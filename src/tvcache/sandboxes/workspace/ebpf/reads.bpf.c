@@ -2,8 +2,9 @@
 // The kernel side of the read-set tracer (see _ebpf.py): two programs on the raw system call tracepoints, for every
 // thread of every process, that act only for the processes of the cgroups in `watched` (a command's sandbox group,
 // from the command's start to its end). For each traced call they put one record in one ring buffer shared by all
-// CPUs, without waking the reader: it is woken by the marker records (the end of a command's window) or when the
-// buffer fills up. Waking it for every record (one interrupt each, 10-13 us in a VM) was most of bpftrace's cost.
+// CPUs, without waking the reader: after a command, the command's own thread reads the buffer, and a thread is woken
+// only when the buffer fills up. Waking a reader for every record (one interrupt each, 10-13 us in a VM) was most of
+// bpftrace's cost.
 //
 // calls.h, written by _ebpf.py, says which system calls are traced and where their arguments are.
 
@@ -148,14 +149,15 @@ static struct record *blank(char kind)
 	return r;
 }
 
-// Put `r` with `len` bytes of path in the buffer. Markers wake the reader; events only when it falls behind.
-static void emit(struct record *r, long len, int wake)
+// Put `r` with `len` bytes of path in the buffer, waking the reader only when it falls behind: after a command, the
+// command's own thread reads the buffer (see _ebpf.py).
+static void emit(struct record *r, long len)
 {
 	__u64 size = HEAD + (len > 0 ? (__u64)len : 0);
 	if (size > sizeof(*r))
 		size = sizeof(*r);
 	__u64 flags = BPF_RB_NO_WAKEUP;
-	if (wake || bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) > bpf_ringbuf_query(&events, BPF_RB_RING_SIZE) / 8)
+	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) > bpf_ringbuf_query(&events, BPF_RB_RING_SIZE) / 8)
 		flags = BPF_RB_FORCE_WAKEUP;
 	if (bpf_ringbuf_output(&events, r, size, flags) < 0)
 		lose();
@@ -204,7 +206,7 @@ static void hazard(__u16 index, long result)
 	}
 	r->call = index;
 	r->result = result;
-	emit(r, 0, 0);
+	emit(r, 0);
 }
 
 static void marker(__u64 op, __u64 value)
@@ -229,7 +231,7 @@ static void marker(__u64 op, __u64 value)
 	} else {
 		r->result = (__s64)value;
 	}
-	emit(r, 0, 1);
+	emit(r, 0);
 }
 
 // Argument `k` of a stashed call, or 0 (k < 0: the call has none).
@@ -304,7 +306,7 @@ int enter(struct bpf_raw_tracepoint_args *ctx)
 		of_pwd(task, r->base);
 		of_root(task, r->root);
 		long len = bpf_probe_read_user_str(r->path, PATH_MAX, (void *)arg(regs, 0));
-		emit(r, len, 0);
+		emit(r, len);
 		return 0;
 	}
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
@@ -377,7 +379,7 @@ int leave(struct bpf_raw_tracepoint_args *ctx)
 		}
 	}
 	bpf_map_delete_elem(&pending, &tid);
-	emit(r, len, 0);
+	emit(r, len);
 	return 0;
 }
 
