@@ -88,6 +88,7 @@ except ImportError:
 
 from ...calls import ToolCall
 from .. import _fastpaths as fast
+from .._cpustat import usage_seconds
 from .._fdtree import remove_tree
 from .._layers import copy_layer, relisted
 from .._shell import ShellState, unfinished
@@ -95,7 +96,7 @@ from .._threads import in_own_thread
 from ..base import Outcome, SandboxError
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
 from ..reclaim import scratch_dir
-from ._cpu import cpu_stat, usage_seconds
+from ._cpu import cpu_stat
 from ._exec import kill_everything, run_bash
 from ._pipeline import Pipeline, describe, inspect_image
 from ._run import RUN_LABEL, new_run, reap_dead_runs, remove_run

@@ -17,7 +17,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_stat", "usage_seconds"]
+from .._cpustat import usage_seconds
+
+__all__ = ["cpu_stat"]
 
 
 def _cgroup2_mount() -> tuple[str, str] | None:
@@ -50,17 +52,3 @@ def cpu_stat(info: dict[str, Any]) -> Path | None:
         group = group[len(root) :]
     path = Path(point, group.lstrip("/"), "cpu.stat")
     return path if usage_seconds(path) is not None else None
-
-
-def usage_seconds(path: Path | None) -> float | None:
-    """`usage_usec` of the `cpu.stat` at `path` in seconds; None without one or when it cannot be read."""
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            for line in f:
-                if line.startswith(b"usage_usec "):
-                    return int(line[11:]) / 1e6
-    except (OSError, ValueError):
-        pass
-    return None

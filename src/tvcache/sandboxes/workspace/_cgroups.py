@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._cpustat import usage_seconds
+
 __all__ = ["GROUP", "Cgroups", "SandboxCgroup", "remove_tree"]
 
 GROUP = "tvcache-workspace"
@@ -202,7 +204,7 @@ class SandboxCgroup:
     def cpu_seconds(self) -> float | None:
         """The CPU time the sandbox's processes used so far (`usage_usec` of its cgroup2 group's `cpu.stat`, which
         the kernel keeps whether or not the cpu controller is enabled there); None without a cgroup2 group."""
-        return None if self.core is None else _count(self.core / "cpu.stat", "usage_usec") / 1e6
+        return None if self.core is None else (usage_seconds(self.core / "cpu.stat") or 0.0)
 
     def remove(self) -> None:
         if not self._removed:
