@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import hashlib
 import mmap
 import os
@@ -29,7 +30,9 @@ def _clang() -> str | None:
     return found if found is not None and os.path.isfile("/usr/include/bpf/bpf_helpers.h") else None
 
 
+@functools.cache
 def _libbpf() -> ctypes.CDLL | None:
+    """libbpf, its functions typed; None if the machine has none. Looked up once: finding it runs `ldconfig`."""
     name = ctypes.util.find_library("bpf")
     if name is None:
         return None
@@ -62,7 +65,7 @@ def available(calls_h: str) -> bool:
     reads of kernel structures), libbpf, and a built object or clang and libbpf's headers to build one."""
     if os.uname().machine != "x86_64" or not os.path.isfile("/sys/kernel/btf/vmlinux"):
         return False
-    if ctypes.util.find_library("bpf") is None:
+    if _libbpf() is None:
         return False
     return _clang() is not None or _object(calls_h).is_file()
 

@@ -20,6 +20,7 @@ None.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import posixpath
@@ -194,6 +195,7 @@ _UNIFIED = {
 _HEAD = struct.Struct("<QQqqq6QIHBx")
 
 
+@functools.cache
 def _calls_h() -> str:
     """calls.h for reads.bpf.c: the table of traced system calls, by number (see `struct call` there)."""
     kinds = {"path": 1, "fd": 2, "hazard": 3, "connect": 4, "execve": 5}
