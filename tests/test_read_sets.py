@@ -37,6 +37,7 @@ from test_oracle import NaiveCache
 from test_workspace import usable
 from tvcache import ToolCall
 from tvcache.reads import Writes, digest_in
+from tvcache.sandboxes.base import Outcome, settled
 from tvcache.sandboxes.workspace import WorkspaceSandboxes, _bpf, _ebpf, _reads
 from tvcache.sandboxes.workspace._changes import MAX_ENTRIES
 
@@ -77,6 +78,11 @@ def tree(files: dict[str, str], links: dict[str, str] | None = None) -> Iterator
 #: Both tracers where the eBPF one can run (x86-64, the kernel's BTF, clang and libbpf, root).
 NO_EBPF = pytest.mark.skipif(not _ebpf.available(), reason="no eBPF tracer here")
 TRACERS = ["strace", pytest.param("ebpf", marks=NO_EBPF)]
+
+
+async def execute(box: Any, call: ToolCall) -> Outcome:
+    """`box.execute(call)` with its read set, which a workspace digests after answering (`Outcome.reads_later`)."""
+    return await settled(await box.execute(call))
 
 
 def factory(base: Path, tracer: str = "strace") -> WorkspaceSandboxes:
@@ -203,7 +209,7 @@ def test_a_read_records_contents_absent_probes_listings_and_symlinks(tracer: str
             async with factory(base, tracer) as boxes:
                 await uses(boxes, tracer)
                 box = await boxes.create()
-                done = await box.execute(bash("cat /testbed/l; test -e /testbed/nope || echo none; ls /testbed/d"))
+                done = await execute(box, bash("cat /testbed/l; test -e /testbed/nope || echo none; ls /testbed/d"))
                 assert done.output == {"output": "A\nnone\nx\n", "exit_code": 0}
                 assert done.changed is False and done.reads is not None
                 reads = done.reads
@@ -216,11 +222,11 @@ def test_a_read_records_contents_absent_probes_listings_and_symlinks(tracer: str
 
                 # Swapping the link's target changes the link's own key, so the read set no longer matches.
                 other = await boxes.create()
-                swapped = await other.execute(bash("ln -sfn b.txt /testbed/l"))
+                swapped = await execute(other, bash("ln -sfn b.txt /testbed/l"))
                 assert swapped.changed and swapped.writes is not None
                 assert swapped.writes["path:/testbed/l"] != reads["path:/testbed/l"]
                 # So does creating the file that was probed absent.
-                created = await other.execute(ToolCall("write_file", {"path": "/testbed/nope", "content": "now"}))
+                created = await execute(other, ToolCall("write_file", {"path": "/testbed/nope", "content": "now"}))
                 assert created.writes is not None and created.writes["path:/testbed/nope"] != ""
                 assert created.writes["list:/testbed"] != (await boxes.base_digests(["list:/testbed"]))["list:/testbed"]
 
@@ -246,14 +252,14 @@ def test_a_read_set_after_a_change_is_digested_anew(tracer: str) -> None:
             async with factory(base, tracer) as boxes:
                 await uses(boxes, tracer)
                 box = await boxes.create()
-                first = await box.execute(command)
+                first = await execute(box, command)
                 assert first.reads is not None
                 for change in changes:
-                    assert (await box.execute(change)).changed, change
-                    done = await box.execute(command)
+                    assert (await execute(box, change)).changed, change
+                    done = await execute(box, command)
                     assert done.reads is not None and done.reads != first.reads, change
                     assert done.reads == live(box, list(done.reads), boxes), change
-                    again = await box.execute(command)  # unchanged since: the keys it kept, the same digests
+                    again = await execute(box, command)  # unchanged since: the keys it kept, the same digests
                     assert again.reads == done.reads, change
                     assert boxes._ebpf is None or boxes._ebpf._windows == {}
 
@@ -284,7 +290,7 @@ def test_the_ebpf_tracer_sees_what_strace_sees() -> None:
                 await uses(by_ebpf, "ebpf")
                 boxes = [await by_strace.create(), await by_ebpf.create()]
                 for command in SAME_READS:
-                    traced, seen = [await box.execute(bash(command)) for box in boxes]
+                    traced, seen = [await execute(box, bash(command)) for box in boxes]
                     assert traced.output == seen.output and not seen.error, command
                     assert traced.reads is not None and seen.reads is not None, command
                     machinery = {k: v for k, v in traced.reads.items() if k not in seen.reads}
@@ -325,13 +331,13 @@ def test_lost_ebpf_events_give_no_read_set() -> None:
                 assert boxes._ebpf is not None
                 box = await boxes.create()
                 command = bash("python3 -c 'import json, email.mime.text, unittest, asyncio' && cat /testbed/a.txt")
-                assert (await box.execute(command)).reads is not None
+                assert (await execute(box, command)).reads is not None
                 usual = boxes._ebpf
                 small = await asyncio.to_thread(lambda: _ebpf.Tracer(ring=4096))
                 try:
                     boxes._ebpf = small
                     with reader_held(small):
-                        done = await box.execute(command)
+                        done = await execute(box, command)
                     assert done.output == {"output": "A\n", "exit_code": 0}
                     assert small.lost_count > 0 and done.reads is None
                 finally:
@@ -352,7 +358,7 @@ def test_a_probe_right_before_the_exit_is_in_the_read_set() -> None:
             with reader_held(tracer):
                 for cpu in [*sorted(os.sched_getaffinity(0)), None]:  # on each CPU, then anywhere
                     pin = "" if cpu is None else f"taskset -c {cpu} "
-                    done = await box.execute(bash(f"exec {pin}/usr/bin/test -e /testbed/probe"))
+                    done = await execute(box, bash(f"exec {pin}/usr/bin/test -e /testbed/probe"))
                     assert done.output == {"output": "", "exit_code": 1} and done.reads is not None
                     assert done.reads.get("path:/testbed/probe") == "" and "walk:/testbed" in done.reads
 
@@ -398,11 +404,11 @@ def test_the_ebpf_tracer_prints_only_the_commands_it_watches() -> None:
                 group = group_of(box)
                 command = bash("cat /testbed/a.txt")
                 unwatched = unwatched_window(tracer, group)
-                assert (await box.execute(command)).output == {"output": "A\n", "exit_code": 0}
+                assert (await execute(box, command)).output == {"output": "A\n", "exit_code": 0}
                 assert await asyncio.to_thread(tracer.collect, unwatched) == ([], _ebpf.NOT_WATCHED)
                 assert unwatched.events == []
                 watched = tracer.begin(group)
-                assert (await box.execute(command)).output == {"output": "A\n", "exit_code": 0}
+                assert (await execute(box, command)).output == {"output": "A\n", "exit_code": 0}
                 events, hazard = await asyncio.to_thread(tracer.collect, watched)
                 assert hazard is None and any(e.path == b"/testbed/a.txt" for e in events)
 
@@ -447,14 +453,14 @@ def test_a_command_the_tracer_had_no_room_to_watch_has_no_read_set() -> None:
             command = bash("cat /testbed/a.txt")
             others = [tracer.begin((1 << 40) + k) for k in range(4096)]  # groups that do not exist
             try:
-                done = await box.execute(command)
+                done = await execute(box, command)
                 assert done.output == {"output": "A\n", "exit_code": 0} and done.reads is None
                 window = tracer.begin(group_of(box))
                 assert (await asyncio.to_thread(tracer.collect, window))[1] == _ebpf.NOT_WATCHED
             finally:
                 for other in others:
                     tracer.abandon(other)
-            done = await box.execute(command)
+            done = await execute(box, command)
             assert done.reads is not None and "path:/testbed/a.txt" in done.reads
 
     asyncio.run(main())
@@ -503,7 +509,7 @@ def test_a_newer_call_the_filter_refuses_is_no_hazard_under_ebpf() -> None:
             async with factory(base, "ebpf") as boxes:
                 await uses(boxes, "ebpf")
                 box = await boxes.create()
-                done = await box.execute(bash(command))
+                done = await execute(box, bash(command))
                 assert done.output == {"output": f"-1 {errno.ENOSYS}\nA\n", "exit_code": 0}
                 assert done.reads is not None and "path:/testbed/a.txt" in done.reads
 
@@ -536,7 +542,7 @@ def test_a_file_opened_by_a_32_bit_system_call_is_never_left_out(tracer: str) ->
             async with factory(base, tracer) as boxes:
                 await uses(boxes, tracer)
                 box = await boxes.create()
-                done = await box.execute(bash("python3 /testbed/int80.py /testbed/a.txt"))
+                done = await execute(box, bash("python3 /testbed/int80.py /testbed/a.txt"))
                 assert done.output == {"output": "3\n", "exit_code": 0}
                 assert done.reads is None or "path:/testbed/a.txt" in done.reads, sorted(done.reads)
 
@@ -595,12 +601,12 @@ def test_a_listing_is_in_the_directorys_own_order() -> None:
         with tree({"a.txt": "A\n"}) as base:
             async with factory(base) as boxes:
                 first, second = await boxes.create(), await boxes.create()
-                made = await first.execute(bash("mkdir /testbed/n && touch /testbed/n/a /testbed/n/b"))
-                listed = await first.execute(bash("ls -f /testbed/n"))
+                made = await execute(first, bash("mkdir /testbed/n && touch /testbed/n/a /testbed/n/b"))
+                listed = await execute(first, bash("ls -f /testbed/n"))
                 assert made.writes is not None and listed.reads is not None
                 assert listed.reads["list:/testbed/n"] == made.writes["list:/testbed/n"]
-                remade = await second.execute(bash("mkdir /testbed/n && touch /testbed/n/b /testbed/n/a"))
-                again = await second.execute(bash("ls -f /testbed/n"))
+                remade = await execute(second, bash("mkdir /testbed/n && touch /testbed/n/b /testbed/n/a"))
+                again = await execute(second, bash("ls -f /testbed/n"))
                 assert again.output != listed.output  # the same names, in another order
                 assert remade.writes is not None
                 assert remade.writes["list:/testbed/n"] != listed.reads["list:/testbed/n"]
@@ -629,7 +635,7 @@ def test_hazards_give_no_read_set(command: str, tracer: str) -> None:
         with tree({"a.txt": "A\n"}) as base:
             async with factory(base, tracer) as boxes:
                 box = await boxes.create()
-                done = await box.execute(bash(command))
+                done = await execute(box, bash(command))
                 assert not done.error, done.output
                 assert done.reads is None
 
@@ -641,7 +647,7 @@ def test_what_procfs_shows_of_the_commands_own_processes_is_no_hazard() -> None:
         with tree({"a.txt": "A\n"}) as base:
             async with factory(base) as boxes:
                 box = await boxes.create()
-                done = await box.execute(bash("grep -c . /proc/self/status >/dev/null; cat /testbed/a.txt"))
+                done = await execute(box, bash("grep -c . /proc/self/status >/dev/null; cat /testbed/a.txt"))
                 assert done.output == {"output": "A\n", "exit_code": 0}
                 assert done.reads is not None and "path:/testbed/a.txt" in done.reads
                 assert not any(key.startswith(("path:/proc", "list:/proc")) for key in done.reads)
@@ -654,7 +660,7 @@ def test_the_shell_keeps_pid_1_and_no_tracer_descriptor() -> None:
         with tree({"a.txt": "A\n"}) as base:
             async with factory(base) as boxes:
                 box = await boxes.create()
-                done = await box.execute(bash("echo $$; ls /proc/self/fd"))
+                done = await execute(box, bash("echo $$; ls /proc/self/fd"))
                 assert done.output == {"output": "1\n0\n1\n2\n253\n3\n", "exit_code": 0}
 
     asyncio.run(main())
@@ -668,7 +674,7 @@ def test_a_killed_tracer_fails_the_call_instead_of_answering() -> None:
         with tree({"a.txt": "A\n"}) as base:
             async with factory(base) as boxes:
                 box = await boxes.create()
-                done = await box.execute(bash("pkill -KILL strace; sleep 0.2; cat /testbed/a.txt"))
+                done = await execute(box, bash("pkill -KILL strace; sleep 0.2; cat /testbed/a.txt"))
                 assert done.error and done.reads is None
                 assert "tracer" in done.output["error"]  # type: ignore[index]
 
@@ -699,7 +705,7 @@ def test_a_traced_command_does_not_wait_for_the_event_loop() -> None:
                         waited += 0.1
 
                 blocker = asyncio.create_task(block_the_loop())
-                done = await box.execute(bash(heavy))
+                done = await execute(box, bash(heavy))
                 await blocker
                 assert done.output == {"output": "", "exit_code": 0} and finished
 
@@ -711,17 +717,17 @@ def test_file_tools_record_reads_and_writes() -> None:
         with tree({"d/a.txt": "A\n"}) as base:
             async with factory(base) as boxes:
                 box = await boxes.create()
-                read = await box.execute(ToolCall("read_file", {"path": "d/a.txt"}))
+                read = await execute(box, ToolCall("read_file", {"path": "d/a.txt"}))
                 assert read.output == {"content": "A\n"}
                 assert read.reads is not None and {"path:/testbed/d/a.txt", "walk:/testbed/d", "shell:"} <= set(
                     read.reads
                 )
-                listed = await box.execute(ToolCall("list_dir", {"path": "/testbed/d"}))
+                listed = await execute(box, ToolCall("list_dir", {"path": "/testbed/d"}))
                 assert listed.reads is not None and "list:/testbed/d" in listed.reads
-                wrote = await box.execute(ToolCall("write_file", {"path": "/testbed/d/a.txt", "content": "B"}))
+                wrote = await execute(box, ToolCall("write_file", {"path": "/testbed/d/a.txt", "content": "B"}))
                 assert wrote.reads is None and wrote.writes is not None
                 assert set(wrote.writes) >= {"path:/testbed/d/a.txt", "list:/testbed/d"}
-                again = await box.execute(ToolCall("read_file", {"path": "d/a.txt"}))
+                again = await execute(box, ToolCall("read_file", {"path": "d/a.txt"}))
                 assert again.reads is not None
                 assert again.reads["path:/testbed/d/a.txt"] == wrote.writes["path:/testbed/d/a.txt"]
 
@@ -733,7 +739,7 @@ def test_off_by_default() -> None:
         with tree({"a.txt": "A\n"}) as base:
             async with WorkspaceSandboxes(base, isolation=mode()) as boxes:  # type: ignore[arg-type]
                 box = await boxes.create()
-                done = await box.execute(bash("cat /testbed/a.txt; echo $$"))
+                done = await execute(box, bash("cat /testbed/a.txt; echo $$"))
                 assert done.output == {"output": "A\n1\n", "exit_code": 0}
                 assert done.reads is None and done.writes is None
 
@@ -786,7 +792,7 @@ def test_write_sets_name_every_key_that_changed() -> None:
                 start = before = whole_tree(box)
                 composed: Writes | None = Writes()
                 for command in WRITES:
-                    done = await box.execute(bash(command))
+                    done = await execute(box, bash(command))
                     assert not done.error and done.changed, (command, done.output)
                     after = whole_tree(box)
                     if done.writes is None:
@@ -824,9 +830,11 @@ def test_a_lost_account_makes_the_write_set_unknown() -> None:
         with tree({"a": "A"}) as base:
             async with factory(base) as boxes:
                 box = await boxes.create()
-                many = await box.execute(bash(f"mkdir /testbed/many && cd /testbed/many && touch $(seq {MAX_ENTRIES})"))
+                many = await execute(
+                    box, bash(f"mkdir /testbed/many && cd /testbed/many && touch $(seq {MAX_ENTRIES})")
+                )
                 assert many.changed and not many.error and many.writes is None
-                one = await box.execute(bash("echo B > /testbed/a"))
+                one = await execute(box, bash("echo B > /testbed/a"))
                 assert one.writes is not None and set(one.writes) >= {"path:/testbed/a", "list:/testbed"}
 
     asyncio.run(main())
@@ -899,7 +907,7 @@ async def run_steps(box: Any, steps: list[str]) -> dict[str, str]:
     """Run the writing commands; the writes of those that changed the state, composed as the cache core does."""
     written = Writes()
     for step in steps:
-        done = await box.execute(bash(step))
+        done = await execute(box, bash(step))
         assert not done.error, done.output
         if done.changed:
             assert done.writes is not None, step
@@ -923,7 +931,7 @@ def check(
                 await uses(boxes, tracer)
                 box1 = await boxes.create()
                 written1 = await run_steps(box1, before)
-                first = await box1.execute(bash(reader))
+                first = await execute(box1, bash(reader))
                 assert not first.error, first.output
                 if first.reads is None:
                     return  # a hazard: exact history only
@@ -935,7 +943,7 @@ def check(
                 written = await run_steps(box, steps)
                 composed = composed_over(starting, written)
                 assert composed == live(box, keys, boxes), "the composed state is not the live one"
-                again = await box.execute(bash(reader))
+                again = await execute(box, bash(reader))
                 counts["checked"] += 1
                 if again.output != first.output:
                     counts["naive_wrong"] += 1
@@ -997,7 +1005,7 @@ async def uncached(boxes: WorkspaceSandboxes, plan: list[list[str]]) -> list[lis
     answers = []
     for commands in plan:
         oracle = await boxes.create()
-        answers.append([(await oracle.execute(bash(c))).output for c in commands])
+        answers.append([(await execute(oracle, bash(c))).output for c in commands])
         await oracle.close()
     return answers
 

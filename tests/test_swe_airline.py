@@ -14,6 +14,7 @@ import pytest
 
 import tvcache as tvcache_mod
 from tvcache.calls import ToolCall
+from tvcache.sandboxes.base import settled
 from tvcache_bench import cli as replay_cli
 from tvcache_bench.data import workload_path
 from tvcache_bench.replay import ReplayOptions
@@ -322,7 +323,7 @@ def test_a_file_made_in_testbed_leaves_the_read_set_of_a_cat_alone(marshmallow: 
         boxes = swe.make_sandboxes(marshmallow, timeout=60, tmp=TMP, read_sets=True)
         try:
             box = await boxes.create()
-            return [await box.execute(ToolCall("bash", {"command": c})) for c in commands]
+            return [await settled(await box.execute(ToolCall("bash", {"command": c}))) for c in commands]
         finally:
             await boxes.close()
 

@@ -136,6 +136,8 @@ class Context:
     #: Snapshots being taken after their call answered (`LiveSandbox.maybe_snapshot`): the scope key and node of
     #: each, for misses that would rather wait for one than rebuild its state, and for `ToolCache.flush`.
     saving: dict[asyncio.Task[None], tuple[str, bytes]] = field(default_factory=dict)
+    #: Candidates being made after their call answered (`Rollout._keep_later`), for `ToolCache.flush`.
+    keeping: set[asyncio.Task[None]] = field(default_factory=set)
     #: The rollouts not closed yet, closed with the cache.
     rollouts: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     closed: bool = False

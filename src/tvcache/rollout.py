@@ -28,7 +28,7 @@ from .context import Context
 from .graph import EDGE, MEMO, Entry, Kind, Scope, decode_output, encode_output
 from .live import History, LiveSandbox
 from .reads import Candidate, Writes, base_digests_of, candidate_of, choose
-from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes, ToolError, refusal
+from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes, ToolError, refusal, settled
 from .stores.base import Claim, StoreError, TaskInfo
 
 __all__ = ["Result", "Rollout", "RolloutStats", "Source", "current_rollout"]
@@ -333,7 +333,10 @@ class Rollout:
                 return self._failed(call, outcome, blob, start)
             kind = self._kind(call, outcome)
             writes = _writes_of(outcome) if kind == EDGE else None
-            candidate = await self._candidate(call, kind, outcome, blob, seconds)  # of the state before the call
+            before, later = self._writes.known, outcome.reads_later is not None
+            if later and before is not None and kind == EDGE:
+                before = dict(before)  # its candidate is made once the reads come, after the rollout moved on
+            candidate = None if later else await self._candidate(call, kind, outcome, blob, seconds, before)
             if kind == EDGE:
                 self._advance(call, blob, seconds, writes)
                 self._live.applied()
@@ -343,7 +346,10 @@ class Rollout:
                 self._ctx.stats.uncached += 1
             else:
                 await self._record(claim, Entry(kind, blob, seconds, call.label(), writes))
-                await self._keep(call, candidate)
+                if later:
+                    self._keep_later(call, kind, outcome, blob, seconds, before)
+                else:
+                    await self._keep(call, candidate)
         return self._executed(blob, start)
 
     async def _reuse(self, call: ToolCall, claim: _Claim, start: float) -> Result | None:
@@ -376,14 +382,49 @@ class Rollout:
         return dataclasses.replace(result, seconds=time.perf_counter() - start)  # the record is the caller's wait too
 
     async def _candidate(
-        self, call: ToolCall, kind: Kind, outcome: Outcome, blob: bytes, seconds: float
+        self,
+        call: ToolCall,
+        kind: Kind,
+        outcome: Outcome,
+        blob: bytes,
+        seconds: float,
+        before: Mapping[str, str] | None,
     ) -> Candidate | None:
-        """The candidate an execution makes for rollouts in other states, asked before the rollout's state moves
-        past the call (a state-changing call's hazards are read in the state before it)."""
+        """The candidate an execution makes for rollouts in other states; `before` is the rollout's state before
+        the call (a state-changing call's hazards are read in it)."""
         if self._base is None:
             return None
-        edge, before = kind == EDGE, self._writes.known
+        edge = kind == EDGE
         return await candidate_of(outcome, blob, seconds, call.label(), edge=edge, before=before, base=self._base)
+
+    def _keep_later(
+        self,
+        call: ToolCall,
+        kind: Kind,
+        outcome: Outcome,
+        blob: bytes,
+        seconds: float,
+        before: Mapping[str, str] | None,
+    ) -> None:
+        """`_keep` the candidate once the sandbox has worked out what the call read (`Outcome.reads_later`), in a
+        task of the cache that `ToolCache.flush` waits for: the answer does not wait for the digests."""
+        if self._base is None:
+            return
+        ctx = self._ctx
+
+        async def keep() -> None:
+            with ctx.stats.timing("background"):
+                try:
+                    whole = await settled(outcome)
+                except Exception as exc:  # a bug, not the files: digests that cannot be read give None
+                    log.warning("could not tell what %r read: %r", call.label()[:200], exc)
+                    return
+                candidate = await self._candidate(call, kind, whole, blob, seconds, before)
+            await self._keep(call, candidate)
+
+        keeping = ctx.tasks.spawn(keep())
+        ctx.keeping.add(keeping)
+        keeping.add_done_callback(ctx.keeping.discard)
 
     async def _keep(self, call: ToolCall, candidate: Candidate | None) -> None:
         """Keep a result with what it read (and wrote), for rollouts in other states."""

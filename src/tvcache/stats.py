@@ -42,7 +42,7 @@ class Stats:
     seconds_restoring: float = 0.0  # snapshots restored, also attempts that failed
     seconds_snapshotting: float = 0.0  # snapshots under way that a miss had to wait for (its sandbox held still)
     seconds_store: float = 0.0  # store round trips: lookups, records, claims, leases
-    # Off the critical path: snapshots taken and recorded after their call answered.
+    # Off the critical path: snapshots taken and recorded, and read sets digested, after their call answered.
     seconds_background: float = 0.0
 
     def as_dict(self) -> dict[str, float]:

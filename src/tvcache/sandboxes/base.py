@@ -7,8 +7,9 @@ backend can run its work in threads, subprocesses or over the network without bl
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from ..calls import ToolCall
@@ -26,6 +27,7 @@ __all__ = [
     "SnapshotGone",
     "ToolError",
     "refusal",
+    "settled",
 ]
 
 #: A tool's output: text, bytes, or a JSON value (dicts, lists, numbers, ...).
@@ -58,6 +60,11 @@ class Outcome:
     sandbox that cannot vouch for that gives `reads` None for a state-changing call. (The cache takes the digest of
     a key the call both read and wrote from its own record of the state before the call, not from the sandbox.)
 
+    `reads_later`: a sandbox may answer before it has worked out what the call read (a workspace digests the files
+    a traced command read after answering, while the model generates its next turn). Then `reads` is None and
+    `reads_later` is a future of what `reads` would have been; the sandbox runs nothing else until it is done.
+    `settled(outcome)` waits for it and gives the outcome whole.
+
     `cpu_seconds` is the CPU time the call's processes used, where the sandbox measures it (a workspace or Docker
     command: its sandbox's or container's cgroup), else None; a measurement, so outcomes compare without it.
     """
@@ -68,6 +75,16 @@ class Outcome:
     reads: Mapping[str, str] | None = None
     writes: Mapping[str, str] | None = None
     cpu_seconds: float | None = field(default=None, compare=False)
+    reads_later: asyncio.Future[Mapping[str, str] | None] | None = field(default=None, compare=False, repr=False)
+
+
+async def settled(outcome: Outcome) -> Outcome:
+    """`outcome` with its read set in `reads`, once the sandbox has worked it out (see `Outcome.reads_later`).
+    Waiting is shielded: a cancelled waiter leaves the sandbox's work to end on its own."""
+    later = outcome.reads_later
+    if later is None:
+        return outcome
+    return replace(outcome, reads=await asyncio.shield(later), reads_later=None)
 
 
 def refusal(output: Output) -> Outcome:

@@ -43,6 +43,8 @@ What the base provides:
   `snapshot_count`), whose ids carry a random token, so an id recorded by another factory or an earlier
   process (a durable cache) never names a snapshot of this one by accident.
 - Sandboxes: `_turn()`, an async context manager that serialises operations and refuses them once closed;
+  `_after_answer(work)`, for work an operation leaves to run after it answered (a read set to digest): the next
+  operation, and `close()`, wait for it first, so the sandbox holds still until it is done;
   `close()` (idempotent: marks the sandbox closed at once, calls `_interrupt()` to stop what is running, waits
   for the running operation to end, then calls `_release()` once). The factory holds its live sandboxes
   until they are closed (their mounts, files and layer references need an explicit release), so closing
@@ -61,7 +63,7 @@ import itertools
 import os
 import secrets
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
@@ -71,6 +73,7 @@ __all__ = ["ManagedSandbox", "ManagedSandboxes"]
 
 BoxT = TypeVar("BoxT", bound="ManagedSandbox")
 RecordT = TypeVar("RecordT")
+T = TypeVar("T")
 
 
 class ManagedSandboxes(Generic[BoxT, RecordT]):
@@ -180,6 +183,7 @@ class ManagedSandbox:
         self._factory_base = factory
         self._lock = asyncio.Lock()
         self._closed = False
+        self._after: asyncio.Task[Any] | None = None
         factory._live.add(self)
 
     @property
@@ -195,7 +199,28 @@ class ManagedSandbox:
         """Hold the sandbox for one operation: operations run one at a time, and none after close."""
         async with self._lock:
             self._check_open()
+            await self._settle()
             yield
+
+    def _after_answer(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run `work` after the operation under way answers, before the next one (or the release) starts: for
+        what must see the sandbox as the operation left it, but need not delay its answer. `work` should not
+        raise: nobody but the sandbox is sure to wait for it."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._after = task
+        return task
+
+    async def _settle(self) -> None:
+        """Wait for the work the last operation left (see `_after_answer`); a cancelled waiter leaves it running."""
+        after, self._after = self._after, None
+        if after is not None and not after.cancelled():
+            try:
+                await asyncio.shield(after)
+            except asyncio.CancelledError:
+                self._after = after  # the work goes on: whoever holds the sandbox next waits for it
+                raise
+            except Exception:  # its own waiter (the read set's candidate) sees it
+                pass
 
     async def close(self) -> None:
         """Stop what runs, wait for it, and release everything the sandbox holds; idempotent."""
@@ -207,6 +232,7 @@ class ManagedSandbox:
         self._interrupt()
         try:
             async with self._lock:
+                await self._settle()
                 await self._release()
         finally:
             self._factory_base._live.discard(self)

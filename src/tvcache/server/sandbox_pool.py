@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from ..calls import ToolCall
 from ..graph import encode_output
-from ..sandboxes.base import BaseDigests, Outcome, Sandbox, Sandboxes
+from ..sandboxes.base import BaseDigests, Outcome, Sandbox, Sandboxes, settled
 from ..sandboxes.remote.wire import ExecuteReply, InfoReply, Listing, SandboxInfo, SnapshotInfo
 from ..version import __version__
 
@@ -198,6 +198,7 @@ class SandboxPool:
                 f"[tvcache sandbox server: an output of {len(blob):,} bytes is over its {self.max_output:,}-byte limit]"
             )
             return ExecuteReply(encode_output(note), outcome.changed, True)
+        outcome = await settled(outcome)  # the wire carries the read set with the answer
         reads = dict(outcome.reads) if outcome.reads is not None else None
         writes = dict(outcome.writes) if outcome.writes is not None else None
         return ExecuteReply(blob, outcome.changed, outcome.error, reads, writes)

@@ -77,7 +77,7 @@ from .. import _fastpaths as fast
 from .. import _syscalls as sc
 from .._layers import listing_digest
 from .._shell import CommandResult, ShellState, run_bash, unfinished
-from ..base import Outcome, SandboxError
+from ..base import Outcome, SandboxError, settled
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
 from . import _ebpf, _isolation, _reads, _writes
 from ._cgroups import Cgroups, SandboxCgroup
@@ -422,7 +422,7 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         if self._use_ebpf and _ebpf.available() and core is not None:
             try:
                 self._ebpf = await asyncio.to_thread(_ebpf.shared)
-                if (await box.execute(ToolCall("bash", {"command": ":"}))).reads is not None:
+                if (await settled(await box.execute(ToolCall("bash", {"command": ":"})))).reads is not None:
                     return None
             except OSError as exc:
                 log.debug("no eBPF tracer: %s", exc)
@@ -630,16 +630,18 @@ class WorkspaceSandbox(ManagedSandbox):
         tail: bytes,
     ) -> Outcome:
         """The outcome with its read set (see _reads) and, for a state-changing call, its write set (see _writes)
-        from `recent`, the kernel's account of what it changed (None: none kept)."""
+        from `recent`, the kernel's account of what it changed (None: none kept). A traced command's read set is
+        digested after the answer (`Outcome.reads_later`): the files it names are read, hashed and resolved in a
+        thread while the model generates its next turn, and the sandbox runs nothing else meanwhile."""
         reads: dict[str, str] | None = None
+        later: tuple[Callable[..., Any], tuple[Any, ...]] | None = None  # a digest to make after the answer
         root, cache, known = self.root, self._factory._digest_cache, self._known
         path = call.args.get("path", "") if isinstance(call.args, dict) else ""
-        why = ""
         if call.tool == "bash" and self._factory._ebpf is not None:
             watch = self._watch
             if watch is not None and not files_changed:  # else `execute` abandons it: its events are not wanted
                 self._watch = None
-                reads, why = await _digests(_ebpf.read_set, *watch, root, cache, known)
+                later = _ebpf.read_set, (*watch, root, cache, known)
         elif call.tool == "bash" and self._factory._tracer is not None:
             parsed = None if trace is None else await asyncio.to_thread(_reads.parse_trace, trace)
             if not (parsed.complete if parsed is not None else _reads.shell_ended(tail)):
@@ -648,12 +650,10 @@ class WorkspaceSandbox(ManagedSandbox):
                 why = "the read tracer ended before the command did (was it killed?)"
                 return Outcome({**output, "error": why}, changed, True)
             if parsed is not None and not files_changed:
-                reads, why = await _digests(_reads.read_set, parsed, root, cache, known)
+                later = _reads.read_set, (parsed, root, cache, known)
         elif call.tool in ("read_file", "list_dir") and not files_changed:
             listing = call.tool == "list_dir"
             reads, _ = await _digests(_reads.file_tool_reads, root, before.cwd, path, listing, cache, known)
-        if why:
-            log.debug("no read set for %r: %s", call.key[:200], why)
         if reads is not None:
             reads["shell:"] = _reads.shell_digest(before)
         writes: dict[str, str] | None = {}
@@ -661,7 +661,8 @@ class WorkspaceSandbox(ManagedSandbox):
             writes = None if recent is None or recent.entries is None else await self._write_set(recent.entries)
         if writes is not None and self._state != before:
             writes["shell:"] = _reads.shell_digest(self._state)
-        return Outcome(output, changed, reads=reads, writes=writes if changed else None)
+        pending = None if later is None else self._after_answer(_read_set(*later, call, before))
+        return Outcome(output, changed, reads=reads, writes=writes if changed else None, reads_later=pending)
 
     async def _write_set(self, entries: dict[tuple[bytes, bytes], int]) -> dict[str, str] | None:
         fs = self._fs
@@ -708,6 +709,19 @@ class WorkspaceSandbox(ManagedSandbox):
                 self._cgroup.remove()
             if self._netns is not None:
                 self._ctx.mounter.close_netns(self._netns)
+
+
+async def _read_set(
+    fn: Callable[..., Any], args: tuple[Any, ...], call: ToolCall, before: ShellState
+) -> Mapping[str, str] | None:
+    """A traced command's read set, `fn(*args)` in a thread (see `_observed`), with the shell state it started in."""
+    reads: dict[str, str] | None
+    reads, why = await _digests(fn, *args)
+    if why:
+        log.debug("no read set for %r: %s", call.key[:200], why)
+    if reads is not None:
+        reads["shell:"] = _reads.shell_digest(before)
+    return reads
 
 
 async def _digests(fn: Callable[..., Any], *args: Any) -> tuple[Any, str]:
