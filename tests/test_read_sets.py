@@ -17,10 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -386,6 +389,93 @@ def test_a_forked_child_never_reads_its_parents_tracer() -> None:
             assert hazard is None and any(e.path == b"/testbed/a.txt" for e in events)
 
     asyncio.run(main())
+
+
+#: A new PID namespace (and /proc for it), as a container gives its processes.
+IN_A_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc", "--"]
+
+
+def run_python(script: str, *args: str, namespace: bool) -> Any:
+    """What the Python program `script` printed as JSON, run with `args` in a process of its own, in a PID namespace
+    of its own if `namespace` (then it is that namespace's first process: its pid is 1)."""
+    if namespace and (shutil.which("unshare") is None or subprocess.run([*IN_A_PID_NAMESPACE, "true"]).returncode):
+        pytest.skip("unshare cannot make a PID namespace here")
+    argv = [*(IN_A_PID_NAMESPACE if namespace else []), sys.executable, "-c", script, *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+#: argv: the base directory, the isolation. An eBPF-traced factory's first command, with the factory's tracer.
+FIRST_COMMAND = """import asyncio, json, os, sys
+from tvcache import ToolCall
+from tvcache.sandboxes.base import settled
+from tvcache.sandboxes.workspace import WorkspaceSandboxes
+
+async def main():
+    async with WorkspaceSandboxes(sys.argv[1], isolation=sys.argv[2], read_sets=True) as boxes:
+        boxes._use_ebpf = True
+        await boxes._initial_snapshot()
+        box = await boxes.create()
+        done = await settled(await box.execute(ToolCall("bash", {"command": "cat /testbed/a.txt"})))
+        ebpf = boxes._ebpf is not None
+        print(json.dumps({"pid": os.getpid(), "ebpf": ebpf, "output": done.output, "reads": done.reads}))
+
+asyncio.run(main())
+"""
+
+
+@NO_EBPF
+def test_the_ebpf_tracer_works_in_a_pid_namespace() -> None:
+    """In a container, tvcache's process has a PID of its namespace, not the one the kernel side's helpers give by
+    default: its marker calls must still be recognised, so that its factory traces with eBPF (not strace, found
+    worse at its first probe) and a command gets the read set it gets outside. The control: the same program run
+    outside a namespace (its pid is not 1 there, 1 inside: it did run in a namespace of its own)."""
+    with tree({"a.txt": "A\n"}) as base:
+        outside, inside = (run_python(FIRST_COMMAND, str(base), mode(), namespace=ns) for ns in (False, True))
+    assert outside["pid"] != 1 and inside["pid"] == 1
+    assert outside["ebpf"] and inside["ebpf"]
+    assert inside["output"] == outside["output"] == {"output": "A\n", "exit_code": 0}
+    assert outside["reads"] is not None and "path:/testbed/a.txt" in outside["reads"]
+    assert inside["reads"] == outside["reads"]
+
+
+#: A tracer in a namespace's first process (pid 1), and a child forked into a PID namespace of its own: the child's
+#: pid is 1 too. What the child's collect said (the child is stopped by an alarm if it waits), and the parent's.
+FORKED_INTO_A_NAMESPACE = """import ctypes, json, os, signal
+from tvcache.sandboxes.workspace import _ebpf
+
+tracer = _ebpf.Tracer()
+window = tracer.begin(1 << 40)  # a group that does not exist
+if ctypes.CDLL(None, use_errno=True).unshare(0x20000000) != 0:  # CLONE_NEWPID: for the children made from now on
+    raise OSError(ctypes.get_errno(), "unshare")
+reader, writer = os.pipe()
+child = os.fork()
+if child == 0:
+    signal.signal(signal.SIGALRM, lambda *_: os._exit(3))  # a namespace's first process ignores SIGALRM otherwise
+    signal.alarm(10)
+    events, why = tracer.collect(_ebpf.Window(window.group, 0, tracer.lost_count))
+    os.write(writer, json.dumps({"pid": os.getpid(), "events": len(events), "why": why}).encode())
+    os._exit(0)
+os.close(writer)
+_, status = os.waitpid(child, 0)
+said = json.loads(os.read(reader, 65536) or "null")
+events, why = tracer.collect(window)
+tracer.close()
+print(json.dumps({"pid": os.getpid(), "child": said, "status": status, "parent": [len(events), why]}))
+"""
+
+
+@NO_EBPF
+def test_a_child_forked_into_a_pid_namespace_never_reads_its_parents_tracer() -> None:
+    """A container's first process has pid 1, and so has a child it forks into a PID namespace of its own: the
+    tracer must still tell the child from its parent, whose buffer the child must not read (see
+    test_a_forked_child_never_reads_its_parents_tracer). The control: the parent's collect still works."""
+    found = run_python(FORKED_INTO_A_NAMESPACE, namespace=True)
+    assert found["pid"] == 1 and found["status"] == 0
+    assert found["child"]["pid"] == 1 and found["child"]["events"] == 0 and "forked" in found["child"]["why"]
+    assert found["parent"] == [0, None]
 
 
 @NO_EBPF

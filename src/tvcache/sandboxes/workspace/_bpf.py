@@ -108,10 +108,10 @@ def _failed(what: str, code: int | None = None) -> OSError:
 
 class Program:
     """The eBPF object at `path` loaded, configured and attached (its programs run from here on, in every process,
-    until `close` or this process's end), with `ring` bytes of ring buffer (a power of two). `config` is its
-    `state[0]`: the marker calls' pid and tag (see reads.bpf.c)."""
+    until `close` or this process's end), with `ring` bytes of ring buffer (a power of two). `config` is its map
+    `config`'s one value: the marker calls' process and tag (reads.bpf.c's struct config)."""
 
-    def __init__(self, path: Path, *, ring: int, config: int):
+    def __init__(self, path: Path, *, ring: int, config: bytes):
         lib = _libbpf()
         if lib is None:
             raise OSError("the eBPF tracer needs libbpf (apt-get install libbpf1)")
@@ -122,15 +122,15 @@ class Program:
             raise _failed("open its object")
         try:
             events = lib.bpf_object__find_map_by_name(self._obj, b"events")
-            state = lib.bpf_object__find_map_by_name(self._obj, b"state")
-            if not events or not state:
+            settings = lib.bpf_object__find_map_by_name(self._obj, b"config")
+            if not events or not settings:
                 raise OSError(f"the eBPF tracer's object {path} lacks its maps")
             if code := lib.bpf_map__set_max_entries(events, ring):
                 raise _failed("size its ring buffer", code)
             if code := lib.bpf_object__load(self._obj):
                 raise _failed("load its programs (root, and a kernel with BTF?)", code)
-            key, value = ctypes.c_uint32(0), ctypes.c_uint64(config)
-            if lib.bpf_map_update_elem(lib.bpf_map__fd(state), ctypes.byref(key), ctypes.byref(value), 0):
+            key, value = ctypes.c_uint32(0), ctypes.create_string_buffer(config, len(config))
+            if lib.bpf_map_update_elem(lib.bpf_map__fd(settings), ctypes.byref(key), value, 0):
                 raise _failed("configure its markers")
             self.ring = Ring(lib.bpf_map__fd(events), ring)
             program = lib.bpf_object__next_program(self._obj, None)

@@ -193,6 +193,8 @@ _UNIFIED = {
 }
 #: The kernel side's record header (struct record in reads.bpf.c, up to its path).
 _HEAD = struct.Struct("<QQqqq6QIHBx")
+#: The kernel side's config (struct config in reads.bpf.c).
+_CONFIG = struct.Struct("<QQII")
 
 
 @functools.cache
@@ -221,6 +223,15 @@ def _calls_h() -> str:
         at = ", ".join(str(-1 if a is None else a) for a in places)
         out.append(f"#ifdef {number}\n\t[{number}] = {{{kind}, {made}, {int(fstat)}, {at}, {index}}},\n#endif")
     return "\n".join([*out, "};", ""])
+
+
+def _config(pid: int, tag: int) -> bytes:
+    """The kernel side's config for the marker calls of process `pid` (this one) with `tag`. The process is named as
+    bpf_get_ns_current_pid_tgid names it, by its PID namespace and its pid there: in a container (a PID namespace of
+    its own) os.getpid() is not the pid the kernel's other helpers give, and no marker would be recognised."""
+    ns = os.stat("/proc/self/ns/pid")
+    device = os.major(ns.st_dev) << 20 | os.minor(ns.st_dev)  # the kernel's dev_t, not stat's encoding of it
+    return _CONFIG.pack(device, ns.st_ino, pid, tag)
 
 
 def available() -> bool:
@@ -263,13 +274,25 @@ class Window:
 log = logging.getLogger("tvcache")
 _shared: Tracer | None = None
 _shared_lock = threading.Lock()
+#: Forks between the process that imported this module and this one. A tracer belongs to the process that made it,
+#: which its pid cannot tell: a container's first process (pid 1) may fork a child into a PID namespace of its own,
+#: whose first process is pid 1 too.
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def shared() -> Tracer:
     """This process's tracer, built and started on first use, and kept for the process's life."""
     global _shared
     with _shared_lock:
-        if _shared is None or _shared.ended or _shared._pid != os.getpid():  # a forked child makes its own
+        if _shared is None or _shared.ended or _shared.inherited:  # a forked child makes its own
             _shared = Tracer()
         return _shared
 
@@ -283,8 +306,8 @@ class Tracer:
     def __init__(self, *, ring: int = 32 << 20):
         # Tells this tracer's marker calls from another's in the same process (a test's second tracer).
         self._tag = secrets.randbelow(1 << 28) + 1
-        self._pid = os.getpid()
-        self._program = _bpf.Program(_bpf.build(_calls_h()), ring=ring, config=self._pid | self._tag << 32)
+        self._forks = _forks
+        self._program = _bpf.Program(_bpf.build(_calls_h()), ring=ring, config=_config(os.getpid(), self._tag))
         self._lock = threading.Condition()
         self._windows: dict[int, Window] = {}
         self._synced = 0
@@ -306,7 +329,7 @@ class Tracer:
 
     def _drain(self) -> None:
         """Take what the buffer holds: here, by the thread when it filled up, and by `collect` after a command."""
-        if os.getpid() != self._pid:  # a forked child: the buffer is its parent's to read
+        if self.inherited:  # the buffer is the parent's to read
             return
         with self._lock:
             if not self._ended:
@@ -357,6 +380,11 @@ class Tracer:
         return self._ended
 
     @property
+    def inherited(self) -> bool:
+        """Is this a forked child's copy of its parent's tracer?"""
+        return self._forks != _forks
+
+    @property
     def lost_count(self) -> int:
         """How many records were lost (or came unreadable) since the start, as far as this side knows yet."""
         with self._lock:
@@ -389,7 +417,7 @@ class Tracer:
         """After the command begun with `window` ended: its events, and why they cannot be used, if so. One buffer
         for all CPUs, in the order records were made, read here: once the sync marker's record (made after the
         command's last call) is read, so is every record of the command."""
-        if os.getpid() != self._pid:  # a forked child: the buffer is its parent's to read
+        if self.inherited:  # the buffer is the parent's to read
             return [], "the eBPF tracer belongs to the process this one was forked from"
         self._mark(_UNWATCH, window.group)
         with self._lock:
@@ -421,7 +449,7 @@ class Tracer:
     def close(self) -> None:
         """Detach the programs (in the process that made them; a forked child's copy does nothing)."""
         with self._lock:
-            if self._ended or os.getpid() != self._pid:
+            if self._ended or self.inherited:
                 return
             self._ended = True
             os.write(self._waker, b"x")

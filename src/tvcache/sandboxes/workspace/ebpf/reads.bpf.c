@@ -84,9 +84,19 @@ struct args {
 	__u64 nr, a[6];
 };
 
+// The marker calls' process and tag. The process is named by its PID namespace (the device and inode of its
+// /proc/self/ns/pid) and its pid there: in a container, tvcache's pid is its namespace's, not the machine's.
 struct config {
-	__u32 pid, tag; // the marker calls' process and tag
+	__u64 dev, ino;
+	__u32 pid, tag;
 };
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct config);
+} config SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -117,10 +127,10 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 2); // 0: the config; 1: records lost so far
+	__uint(max_entries, 1); // records lost so far
 	__type(key, __u32);
 	__type(value, __u64);
-} state SEC(".maps");
+} lost SEC(".maps");
 
 // Every process's every system call runs these programs, so the common case, a process not watched, must be cheap:
 // a count of watched groups by the low bits of their ids, in plain memory, answers most of them without a map
@@ -138,16 +148,17 @@ static int is_watched(void)
 	return watching[cgroup & (SLOTS - 1)] && bpf_map_lookup_elem(&watched, &cgroup);
 }
 
-static __u64 *slot(__u32 k)
+static __u64 *losses(void)
 {
-	return bpf_map_lookup_elem(&state, &k);
+	__u32 zero = 0;
+	return bpf_map_lookup_elem(&lost, &zero);
 }
 
 static void lose(void)
 {
-	__u64 *lost = slot(1);
-	if (lost)
-		__sync_fetch_and_add(lost, 1);
+	__u64 *count = losses();
+	if (count)
+		__sync_fetch_and_add(count, 1);
 }
 
 static struct record *blank(char kind)
@@ -227,8 +238,8 @@ static void hazard(__u16 index, long result)
 
 static void marker(__u64 op, __u64 value)
 {
-	__u64 *lost = slot(1);
-	__u64 losses = lost ? *lost : 0;
+	__u64 *count = losses();
+	__u64 lost_so_far = count ? *count : 0;
 	if (op == WATCH) {
 		__u8 one = 1;
 		// Full: the window's U record says so. Already there (a late unwatch to come): counted already.
@@ -243,7 +254,7 @@ static void marker(__u64 op, __u64 value)
 		lose();
 		return;
 	}
-	r->flags = (__s64)losses;
+	r->flags = (__s64)lost_so_far;
 	if (op == UNWATCH) {
 		r->cgroup = value;
 		r->result = bpf_map_lookup_elem(&watched, &value) != 0;
@@ -289,9 +300,13 @@ int enter(struct bpf_raw_tracepoint_args *ctx)
 	struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
 	long nr = (long)ctx->args[1];
 	if (nr == __NR_lseek && (int)arg(regs, 0) == -1) {
-		__u64 *config = slot(0);
+		__u32 zero = 0;
+		struct config *c = bpf_map_lookup_elem(&config, &zero);
 		__u64 whence = arg(regs, 2);
-		if (config && (bpf_get_current_pid_tgid() >> 32) == (__u32)*config && (whence >> 2) == (*config >> 32))
+		// The helper fails for a process of any other PID namespace (its pid there may be the same number).
+		struct bpf_pidns_info self;
+		if (c && (whence >> 2) == c->tag && bpf_get_ns_current_pid_tgid(c->dev, c->ino, &self, sizeof(self)) == 0 &&
+		    self.tgid == c->pid)
 			marker(whence & 3, arg(regs, 1));
 		return 0;
 	}
