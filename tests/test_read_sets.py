@@ -17,13 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tvcache
+from pidns import run_python
 from test_oracle import NaiveCache
 from test_workspace import usable
 from tvcache import ToolCall
@@ -391,22 +389,6 @@ def test_a_forked_child_never_reads_its_parents_tracer() -> None:
     asyncio.run(main())
 
 
-#: A new PID namespace (and /proc for it), as a container gives its processes.
-IN_A_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc", "--"]
-
-
-def run_python(script: str, *args: str, namespace: bool) -> Any:
-    """What the Python program `script` printed as JSON, run with `args` in a process of its own, in a PID namespace
-    of its own if `namespace` (then it is that namespace's first process: its pid is 1)."""
-    if namespace and (shutil.which("unshare") is None or subprocess.run([*IN_A_PID_NAMESPACE, "true"]).returncode):
-        pytest.skip("unshare cannot make a PID namespace here")
-    argv = [*(IN_A_PID_NAMESPACE if namespace else []), sys.executable, "-c", script, *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
 #: argv: the base directory, the isolation. An eBPF-traced factory's first command, with the factory's tracer.
 FIRST_COMMAND = """import asyncio, json, os, sys
 from tvcache import ToolCall
@@ -443,18 +425,15 @@ def test_the_ebpf_tracer_works_in_a_pid_namespace() -> None:
 
 #: A tracer in a namespace's first process (pid 1), and a child forked into a PID namespace of its own: the child's
 #: pid is 1 too. What the child's collect said (the child is stopped by an alarm if it waits), and the parent's.
-FORKED_INTO_A_NAMESPACE = """import ctypes, json, os, signal
+FORKED_INTO_A_NAMESPACE = """import json, os
+from pidns import fork
 from tvcache.sandboxes.workspace import _ebpf
 
 tracer = _ebpf.Tracer()
 window = tracer.begin(1 << 40)  # a group that does not exist
-if ctypes.CDLL(None, use_errno=True).unshare(0x20000000) != 0:  # CLONE_NEWPID: for the children made from now on
-    raise OSError(ctypes.get_errno(), "unshare")
 reader, writer = os.pipe()
-child = os.fork()
+child = fork(new_namespace=True, alarm=10)
 if child == 0:
-    signal.signal(signal.SIGALRM, lambda *_: os._exit(3))  # a namespace's first process ignores SIGALRM otherwise
-    signal.alarm(10)
     events, why = tracer.collect(_ebpf.Window(window.group, 0, tracer.lost_count))
     os.write(writer, json.dumps({"pid": os.getpid(), "events": len(events), "why": why}).encode())
     os._exit(0)

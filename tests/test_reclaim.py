@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+import pidns
 from docker_env import docker_tmp_fixture  # noqa: F401  (a fixture, asked for by name)
 from tvcache import ToolCall
 from tvcache.sandboxes import reclaim
@@ -276,23 +277,42 @@ def test_a_live_owner_in_another_pid_namespace_is_never_taken_for_dead(tmp: Path
 # -- workspace ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("namespace", [False, True], ids=["fork", "fork-into-a-pid-namespace"])
 @pytest.mark.parametrize("ending", ["exit", "close"])
-def test_a_forked_child_leaves_its_parents_live_sandboxes_alone(ending: str, tmp: Path, db: Path, base: Path) -> None:
+def test_a_forked_child_leaves_its_parents_live_sandboxes_alone(
+    ending: str, namespace: bool, tmp: Path, db: Path, base: Path
+) -> None:
     """A process that forks (a worker pool, a daemonising library) hands its child a copy of every factory, and of
     the finalizer that removes what the factory made. The child ends as a forked worker may: `exit`, the
     interpreter's normal exit (its atexit handlers, which run the finalizers of the factories still alive), or
     `close`, closing its copies (an `async with` unwound). Neither may touch the parent's sandboxes: their run dir,
-    cgroups and SQLite copies stay, and their commands still run."""
+    cgroups and SQLite copies stay, and their commands still run. With `namespace`, the parent is a container's
+    first process (pid 1) and forks its child into a PID namespace of its own: the child's pid is 1 too, so a pid
+    cannot tell it from its parent (the child removed its parent's sandboxes then)."""
+    if namespace:
+        script = "import json, sys, test_reclaim as t; from pathlib import Path\n"
+        script += "print(json.dumps(t.fork_and_check(sys.argv[1], True, *map(Path, sys.argv[2:]))))"
+        pids = pidns.run_python(script, ending, str(tmp), str(db), str(base), namespace=True)
+        assert pids == {"parent": 1, "child": 1}, "the test did not set up what it is about"
+    else:
+        pids = fork_and_check(ending, False, tmp, db, base)
+        assert pids["child"] not in (pids["parent"], 1)
+
+
+def fork_and_check(ending: str, namespace: bool, tmp: Path, db: Path, base: Path) -> dict[str, int]:
+    """test_a_forked_child_leaves_its_parents_live_sandboxes_alone in this process; the parent's and child's pids."""
     loop = asyncio.new_event_loop()  # forked from outside it: the child runs a loop of its own
+    readable, writable = os.pipe()
     try:
         trees, tables = WorkspaceSandboxes(base, tmp=tmp), SQLiteSandboxes(db, tmp=tmp)
         tree, table = loop.run_until_complete(trees.create()), loop.run_until_complete(tables.create())
         loop.run_until_complete(tree.execute(ToolCall("bash", {"command": "echo live > mine"})))
         loop.run_until_complete(table.execute(sql("INSERT INTO items VALUES ('live')")))
         groups = [d for d in trees._ctx.cgroups.run_dirs if d.is_dir()]
-        pid = os.fork()
+        pid = pidns.fork(new_namespace=namespace, alarm=60)
         if pid == 0:  # the child: never back into pytest
             try:
+                os.write(writable, str(os.getpid()).encode())
                 if ending == "close":
                     asyncio.run(close_both(trees, tables))
                 import atexit
@@ -300,11 +320,13 @@ def test_a_forked_child_leaves_its_parents_live_sandboxes_alone(ending: str, tmp
                 atexit._run_exitfuncs()  # what a normal exit of the interpreter runs first
             finally:
                 os._exit(0)
+        os.close(writable)
         deadline = time.monotonic() + 30
         while os.waitpid(pid, os.WNOHANG) == (0, 0):
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
+        child = int(os.read(readable, 100))
         assert trees._run.path.is_dir() and all(d.is_dir() for d in groups), "the child removed the parent's run"
         out = loop.run_until_complete(tree.execute(ToolCall("bash", {"command": "cat mine README"})))
         assert out.output["output"] == "live\nthe base\n"  # type: ignore[index]
@@ -312,8 +334,10 @@ def test_a_forked_child_leaves_its_parents_live_sandboxes_alone(ending: str, tmp
         out = loop.run_until_complete(table.execute(sql("SELECT count(*) AS n FROM items")))
         assert out.output.split() == ["n", "3"]
         loop.run_until_complete(close_both(trees, tables))
+        return {"parent": os.getpid(), "child": child}
     finally:
         loop.close()
+        os.close(readable)
 
 
 async def close_both(*factories: Any) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+import pidns
 from redis_server import free_port, redis_cluster, redis_server  # noqa: F401  (fixtures for the redis stores)
 from tvcache.graph import EDGE, MEMO, Entry, Scope, child_id
 from tvcache.stores import Claim, StoreError, TaskInfo, open_store
@@ -543,28 +544,45 @@ def test_http_store_ping_checks_the_server_its_token_and_its_store(tmp_path: Pat
         server.stop()
 
 
-def _use_in_child(store: SQLiteStore) -> None:
-    async def main() -> None:
-        assert await store.lookup(SCOPE.key, ROOT, D1) == entry(b"parent")
-        await store.record(SCOPE.key, ROOT, D2, entry(b"child"), None)
-
-    asyncio.run(main())
-
-
-def test_sqlite_store_carries_over_fork(tmp_path: Path) -> None:
+@pytest.mark.parametrize("namespace", [False, True], ids=["fork", "fork-into-a-pid-namespace"])
+def test_sqlite_store_carries_over_fork(namespace: bool, tmp_path: Path) -> None:
     """A store opened before a fork (a trainer forking rollout workers) works in the child, on a connection and
-    threads of the child's own, instead of waiting forever for a thread that does not exist there."""
-    import multiprocessing
+    threads of the child's own, instead of waiting forever for a thread that does not exist there. With
+    `namespace`, the parent is a container's first process (pid 1) and forks its child into a PID namespace of its
+    own, whose pid is 1 too: a pid cannot tell the child from its parent (the child waited forever then)."""
+    if namespace:
+        script = "import json, sys, test_stores as t; print(json.dumps(t.store_over_fork(sys.argv[1], True)))"
+        found = pidns.run_python(script, str(tmp_path / "c.db"), namespace=True)
+        assert found["parent"] == found["child"] == 1, "the test did not set up what it is about"
+    else:
+        found = store_over_fork(str(tmp_path / "c.db"), False)
+        assert found["child"] != found["parent"]
 
-    store = SQLiteStore(tmp_path / "c.db", cache_mb=0)
+
+def store_over_fork(path: str, namespace: bool) -> dict[str, int]:
+    """test_sqlite_store_carries_over_fork in this process: the parent's and child's pids, after checking both sides."""
+    store = SQLiteStore(path, cache_mb=0)
     asyncio.run(store.record(SCOPE.key, ROOT, D1, entry(b"parent"), None))
-    child = multiprocessing.get_context("fork").Process(target=_use_in_child, args=(store,))
-    child.start()
-    child.join(30)
-    assert child.exitcode == 0
+    readable, writable = os.pipe()
+    child = pidns.fork(new_namespace=namespace, alarm=30)
+    if child == 0:  # never back into the caller (pytest)
+        code = 1
+        try:
+            os.write(writable, str(os.getpid()).encode())
+            assert asyncio.run(store.lookup(SCOPE.key, ROOT, D1)) == entry(b"parent")
+            asyncio.run(store.record(SCOPE.key, ROOT, D2, entry(b"child"), None))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writable)
+    _, status = os.waitpid(child, 0)
+    pid = int(os.read(readable, 100))
+    os.close(readable)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child failed (status 3: it waited past its alarm)"
 
     async def main() -> None:
         assert await store.lookup(SCOPE.key, ROOT, D2) == entry(b"child")
         await store.close()
 
     asyncio.run(main())
+    return {"parent": os.getpid(), "child": pid}
