@@ -1,6 +1,7 @@
 """The house rules: `import tvcache` stays light, and every import points down the layers.
 
 calls, graph, stats, version, errors    what a call and a state are, and what can go wrong
+_owner                                  which process an object belongs to (not a forked child)
 tasks                                   the cache's task group
 policy, jsonhttp                        decisions from measured costs (pure); the HTTP client under both
 stores, sandboxes                       where the graph lives; where calls run
@@ -30,6 +31,7 @@ RANKS = {
     "stats": 0,
     "version": 0,
     "errors": 0,
+    "_owner": 0,
     "tasks": 0,
     "policy": 1,
     "jsonhttp": 1,

@@ -52,7 +52,8 @@ What the base provides:
 - Ownership stays with the process that made the factory. A forked child (a worker pool, a daemonising library)
   holds a copy of the factory and of its cleanup, which would otherwise run at the child's exit or when it closes
   its copy, and remove the parent's live sandboxes; in the child, `close()` only marks the copy closed and the
-  cleanup does nothing.
+  cleanup does nothing. The child is told by the forks its process has seen (tvcache._owner), not by its pid: a
+  container's first process (pid 1) may fork a child into a PID namespace of its own, whose pid is 1 too.
 """
 
 from __future__ import annotations
@@ -60,13 +61,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import secrets
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
+from .._owner import forks, inherited
 from .base import SandboxError, SnapshotGone
 
 __all__ = ["ManagedSandbox", "ManagedSandboxes"]
@@ -89,7 +90,7 @@ class ManagedSandboxes(Generic[BoxT, RecordT]):
         self._token = secrets.token_hex(6)
         self._ids = itertools.count(1)
         self._finalizer: weakref.finalize[..., Any] | None = None
-        self._pid = os.getpid()  # the owner of everything the factory makes (see the module docstring)
+        self._owner = forks()  # the process owning everything the factory makes (see the module docstring)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
@@ -106,10 +107,10 @@ class ManagedSandboxes(Generic[BoxT, RecordT]):
         an earlier registration). `fn` must not refer to the factory, or it would never be collected."""
         if self._finalizer is not None:
             self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _in_process, self._pid, fn, *args)
+        self._finalizer = weakref.finalize(self, _in_process, self._owner, fn, *args)
 
     def _copied_by_fork(self) -> bool:
-        return os.getpid() != self._pid
+        return inherited(self._owner)
 
     async def close(self) -> None:
         """Close every live sandbox of this factory, drop its snapshots and remove what it created; idempotent."""
@@ -169,10 +170,10 @@ class ManagedSandboxes(Generic[BoxT, RecordT]):
         return self._snapshots.pop(snapshot_id, None)
 
 
-def _in_process(pid: int, fn: Callable[..., Any], *args: Any) -> None:
+def _in_process(owner: int, fn: Callable[..., Any], *args: Any) -> None:
     """Run a factory's cleanup only in the process that made the factory: a forked child inherits the finalizer
     (run by its atexit handlers or when it drops its copy) but not the sandboxes, which its parent still uses."""
-    if os.getpid() == pid:
+    if not inherited(owner):
         fn(*args)
 
 

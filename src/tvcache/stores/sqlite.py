@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-import os
 import secrets
 import sqlite3
 import time
@@ -34,6 +33,7 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
+from .._owner import forks, inherited
 from ..graph import MAX_CANDIDATES, Candidate, Entry, decode_candidate, encode_candidate
 from .base import GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo, export_entries
 from .eviction import choose_evictions
@@ -90,7 +90,7 @@ class _Connection:
             raise StoreError(f"cannot open the cache database {str(path)!r}: {exc}") from exc
 
     def _start(self) -> None:
-        self._pid = os.getpid()
+        self._owner = forks()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"tvcache-sqlite-{self._role}")
         self._db: sqlite3.Connection | None = None
 
@@ -109,7 +109,7 @@ class _Connection:
     async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         if self._closed:
             raise StoreError(f"the cache database {str(self.path)!r} is closed")
-        if self._pid != os.getpid():
+        if inherited(self._owner):
             # A forked child: the parent's thread does not exist here (work handed to it would wait forever),
             # and SQLite forbids using a connection across fork. Start afresh.
             self._start()

@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..._owner import forks, inherited
 from . import _bpf, _reads
 from ._reads import EXEC, FOLLOW, LIST, MARK, NOFOLLOW, WALK, Digester, Known, Trace
 
@@ -274,18 +275,6 @@ class Window:
 log = logging.getLogger("tvcache")
 _shared: Tracer | None = None
 _shared_lock = threading.Lock()
-#: Forks between the process that imported this module and this one. A tracer belongs to the process that made it,
-#: which its pid cannot tell: a container's first process (pid 1) may fork a child into a PID namespace of its own,
-#: whose first process is pid 1 too.
-_forks = 0
-
-
-def _forked() -> None:
-    global _forks
-    _forks += 1
-
-
-os.register_at_fork(after_in_child=_forked)
 
 
 def shared() -> Tracer:
@@ -306,7 +295,7 @@ class Tracer:
     def __init__(self, *, ring: int = 32 << 20):
         # Tells this tracer's marker calls from another's in the same process (a test's second tracer).
         self._tag = secrets.randbelow(1 << 28) + 1
-        self._forks = _forks
+        self._owner = forks()  # a forked child's copy must not read the kernel's buffer: see `inherited`
         self._program = _bpf.Program(_bpf.build(_calls_h()), ring=ring, config=_config(os.getpid(), self._tag))
         self._lock = threading.Condition()
         self._windows: dict[int, Window] = {}
@@ -382,7 +371,7 @@ class Tracer:
     @property
     def inherited(self) -> bool:
         """Is this a forked child's copy of its parent's tracer?"""
-        return self._forks != _forks
+        return inherited(self._owner)
 
     @property
     def lost_count(self) -> int:
