@@ -121,7 +121,8 @@ async def choose(candidates: Sequence[Candidate], state: Mapping[str, str], base
 async def digests(keys: Collection[str], state: Mapping[str, str], base: BaseDigests) -> dict[str, str]:
     """The digest of each of `keys` in the state `state` (a rollout's writes) over the factory's starting state;
     a key neither holds (the factory did not answer) is left out, and matches nothing."""
-    known = {key: digest_in(key, state, {}) for key in keys}  # what the rollout's writes tell
+    gone = _gone(state)
+    known = {key: digest_in(key, state, {}, gone) for key in keys}  # what the rollout's writes tell
     missing = [key for key, digest in known.items() if digest is None]
     starting = await base.base_digests(missing) if missing else {}
     found = {}
@@ -133,12 +134,14 @@ async def digests(keys: Collection[str], state: Mapping[str, str], base: BaseDig
     return found
 
 
-def digest_in(key: str, state: Mapping[str, str], starting: Mapping[str, str]) -> str | None:
+def digest_in(
+    key: str, state: Mapping[str, str], starting: Mapping[str, str], gone: Collection[str] | None = None
+) -> str | None:
     """The digest of `key` in the state `state` (a rollout's writes) over the starting state's digests `starting`;
-    None if neither tells it."""
+    None if neither tells it. `gone`: `_gone(state)`, for a caller that asks of many keys."""
     digest = state.get(key)
     if digest is None:
-        digest = "" if _cleared(key, state) else starting.get(key)
+        digest = "" if _cleared(key, _gone(state) if gone is None else gone) else starting.get(key)
     return digest if isinstance(digest, str) else None
 
 
@@ -146,13 +149,19 @@ def _path(key: str) -> str:
     return key.partition(":")[2]
 
 
-def _cleared(key: str, state: Mapping[str, str]) -> bool:
-    """Is `key` below a path whose contents a write set declared gone (`BELOW`)?"""
+def _gone(state: Mapping[str, str]) -> frozenset[str]:
+    """The paths whose contents a write set declared gone (`BELOW`): usually none, and then no key's parents are
+    walked (that walk was most of a second-phase lookup's time, over the thousands of keys candidates read)."""
+    return frozenset(_path(key) for key in state if key.startswith(BELOW))
+
+
+def _cleared(key: str, gone: Collection[str]) -> bool:
+    """Is `key` below one of the paths `gone`?"""
     path = _path(key)
-    if not path.startswith("/"):
+    if not gone or not path.startswith("/"):
         return False
     while path != "/":
         path = posixpath.dirname(path)
-        if BELOW + path in state:
+        if path in gone:
             return True
     return False
