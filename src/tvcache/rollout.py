@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -347,7 +347,7 @@ class Rollout:
             else:
                 await self._record(claim, Entry(kind, blob, seconds, call.label(), writes))
                 if later:
-                    self._keep_later(call, kind, outcome, blob, seconds, before)
+                    self._keep_later(call, self._candidate(call, kind, outcome, blob, seconds, before))
                 else:
                     await self._keep(call, candidate)
         return self._executed(blob, start)
@@ -390,37 +390,28 @@ class Rollout:
         seconds: float,
         before: Mapping[str, str] | None,
     ) -> Candidate | None:
-        """The candidate an execution makes for rollouts in other states; `before` is the rollout's state before
-        the call (a state-changing call's hazards are read in it)."""
+        """The candidate an execution makes for rollouts in other states, once the sandbox has worked out what the
+        call read (`Outcome.reads_later`); `before` is the rollout's state before the call (a state-changing call's
+        hazards are read in it)."""
         if self._base is None:
+            return None
+        try:
+            outcome = await settled(outcome)
+        except Exception as exc:  # a bug, not the files: digests that cannot be read give None
+            log.warning("could not tell what %r read: %r", call.label()[:200], exc)
             return None
         edge = kind == EDGE
         return await candidate_of(outcome, blob, seconds, call.label(), edge=edge, before=before, base=self._base)
 
-    def _keep_later(
-        self,
-        call: ToolCall,
-        kind: Kind,
-        outcome: Outcome,
-        blob: bytes,
-        seconds: float,
-        before: Mapping[str, str] | None,
-    ) -> None:
-        """`_keep` the candidate once the sandbox has worked out what the call read (`Outcome.reads_later`), in a
-        task of the cache that `ToolCache.flush` waits for: the answer does not wait for the digests."""
-        if self._base is None:
-            return
+    def _keep_later(self, call: ToolCall, candidate: Coroutine[Any, Any, Candidate | None]) -> None:
+        """`_keep` the candidate once made, in a task of the cache that `ToolCache.flush` waits for: the answer does
+        not wait for the sandbox to digest what the call read."""
         ctx = self._ctx
 
         async def keep() -> None:
             with ctx.stats.timing("background"):
-                try:
-                    whole = await settled(outcome)
-                except Exception as exc:  # a bug, not the files: digests that cannot be read give None
-                    log.warning("could not tell what %r read: %r", call.label()[:200], exc)
-                    return
-                candidate = await self._candidate(call, kind, whole, blob, seconds, before)
-            await self._keep(call, candidate)
+                made = await candidate
+            await self._keep(call, made)
 
         keeping = ctx.tasks.spawn(keep())
         ctx.keeping.add(keeping)
