@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from docker_env import (  # noqa: F401
     second_daemon_fixture,
     task_image_fixture,
 )
+from pidns import IN_A_PID_NAMESPACE
 from sandbox_oracle import check_snapshots_against_fresh_replay
 from shell_oracle import Listener, bash, cached_rollouts_wrong, out, random_command, rollout_plan, run, uncached
 from tvcache import SandboxError, ToolCall
@@ -385,6 +387,47 @@ def test_a_killed_process_is_reaped_by_the_next_start(task_image: str) -> None:
     run(next_start())
     assert labelled("container", run_id) == labelled("image", run_id) == labelled("network", run_id) == []
     assert not Path(layers).exists()
+
+
+def test_a_live_owner_in_another_pid_namespace_keeps_its_run(task_image: str) -> None:
+    """Containers of one Kubernetes pod share a hostname (and may share a daemon) but not a PID namespace: an owner
+    there has a pid that names another process here, or none. Its run must survive this process's reaping: it was
+    taken for dead (a pid 1 started at another time) and its live containers removed."""
+    if shutil.which("unshare") is None or subprocess.run([*IN_A_PID_NAMESPACE, "true"]).returncode:
+        pytest.skip("unshare cannot make a PID namespace here")
+    owner = textwrap.dedent(f"""\
+        import asyncio, os, sys
+        from tvcache import ToolCall
+        from tvcache.sandboxes.docker import DockerSandboxes
+        async def main():
+            async with DockerSandboxes({task_image!r}) as boxes:
+                box = await boxes.create()
+                print(os.getpid(), boxes.run, flush=True)
+                await asyncio.to_thread(sys.stdin.readline)  # alive until the test is done
+                print((await box.execute(ToolCall("bash", {{"command": "echo alive"}}))).output["output"], flush=True)
+        asyncio.run(main())
+        """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = [*IN_A_PID_NAMESPACE, sys.executable, "-c", owner]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        pid, run_id = proc.stdout.readline().split()
+        assert pid == "1" and labelled("container", run_id)  # its pid is 1 there: here, another process's
+
+        async def next_start() -> None:
+            async with DockerSandboxes(task_image) as boxes:
+                await boxes.create()
+
+        run(next_start())
+        assert labelled("container", run_id)
+        proc.stdin.write("done\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "alive\n"
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # -- images, builds, errors ------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Labels naming the run that created each container, image and network, and the removal of a run's leftovers.
 
 Everything a `DockerSandboxes` creates carries the label `tvcache.run=<run id>`, and `tvcache.owner=<host> <pid>
-<start time>` naming the process. Closing the factory removes its run; a process that died without closing
-leaves its run behind, and the next factory on the same daemon reaps every run whose owner on this host is
-gone (the pid no longer exists, or now belongs to a process started at another time).
+<start time> <pid namespace>` naming the process. Closing the factory removes its run; a process that died without
+closing leaves its run behind, and the next factory on the same daemon reaps every run whose owner on this host is
+gone (the pid no longer exists, or now belongs to a process started at another time). An owner in another PID
+namespace is not judged: containers of one Kubernetes pod share a hostname and may share a daemon, but each has
+pids of its own, which mean other processes (or none) here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import aiodocker
 
-from ..reclaim import owner_alive, process_start_time
+from ..reclaim import owner_alive, pid_namespace, process_start_time
 
 __all__ = ["RUN_LABEL", "SNAPSHOT_REPO", "dead_runs", "new_run", "reap_dead_runs", "remove_run"]
 
@@ -28,16 +30,16 @@ OWNER_LABEL = "tvcache.owner"
 
 def new_run() -> dict[str, str]:
     """The labels of a new run of this process."""
-    owner = f"{socket.gethostname()} {os.getpid()} {process_start_time(os.getpid())}"
+    owner = f"{socket.gethostname()} {os.getpid()} {process_start_time(os.getpid())} {pid_namespace()}"
     return {RUN_LABEL: f"tvcache-{os.getpid()}-{secrets.token_hex(4)}", OWNER_LABEL: owner}
 
 
 def _owner_gone(owner: str) -> bool:
-    try:
-        host, pid, start = owner.split(" ")
-    except ValueError:
+    fields = owner.split(" ")
+    if len(fields) not in (3, 4) or not fields[1].isdigit():
         return False  # not ours to judge
-    return host == socket.gethostname() and not owner_alive(int(pid), start)
+    host, pid, start, *namespace = fields  # labels before the namespace was added have none
+    return host == socket.gethostname() and not owner_alive(int(pid), start, *namespace)
 
 
 async def dead_runs(docker: aiodocker.Docker) -> list[tuple[str, str, int]]:
