@@ -633,7 +633,7 @@ class WorkspaceSandbox(ManagedSandbox):
         from `recent`, the kernel's account of what it changed (None: none kept). A traced command's read set is
         digested after the answer (`Outcome.reads_later`): the files it names are read, hashed and resolved in a
         thread while the model generates its next turn, and the sandbox runs nothing else meanwhile."""
-        reads: dict[str, str] | None = None
+        reads: Mapping[str, str] | None = None
         later: tuple[Callable[..., Any], tuple[Any, ...]] | None = None  # a digest to make after the answer
         root, cache, known = self.root, self._factory._digest_cache, self._known
         path = call.args.get("path", "") if isinstance(call.args, dict) else ""
@@ -652,10 +652,10 @@ class WorkspaceSandbox(ManagedSandbox):
             if parsed is not None and not files_changed:
                 later = _reads.read_set, (parsed, root, cache, known)
         elif call.tool in ("read_file", "list_dir") and not files_changed:
-            listing = call.tool == "list_dir"
-            reads, _ = await _digests(_reads.file_tool_reads, root, before.cwd, path, listing, cache, known)
-        if reads is not None:
-            reads["shell:"] = _reads.shell_digest(before)
+            listing = call.tool == "list_dir"  # a file tool's read set is a path or two: made before the answer
+            reads = await _read_set(
+                _reads.file_tool_reads, (root, before.cwd, path, listing, cache, known), call, before
+            )
         writes: dict[str, str] | None = {}
         if files_changed:
             writes = None if recent is None or recent.entries is None else await self._write_set(recent.entries)
@@ -714,7 +714,7 @@ class WorkspaceSandbox(ManagedSandbox):
 async def _read_set(
     fn: Callable[..., Any], args: tuple[Any, ...], call: ToolCall, before: ShellState
 ) -> Mapping[str, str] | None:
-    """A traced command's read set, `fn(*args)` in a thread (see `_observed`), with the shell state it started in."""
+    """A call's read set, `fn(*args)` in a thread (see `_observed`), with the shell state it started in."""
     reads: dict[str, str] | None
     reads, why = await _digests(fn, *args)
     if why:
