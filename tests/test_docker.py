@@ -7,6 +7,7 @@ history uncached. Fault tests kill containers from outside and stop a (second, p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -364,7 +365,7 @@ def test_close_removes_everything_and_deleting_a_snapshot_removes_its_files(task
 
 def test_a_killed_process_is_reaped_by_the_next_start(task_image: str) -> None:
     crash = textwrap.dedent(f"""\
-        import asyncio, os
+        import asyncio, os, sys
         from tvcache import ToolCall
         from tvcache.sandboxes.docker import DockerSandboxes
         async def main():
@@ -373,12 +374,22 @@ def test_a_killed_process_is_reaped_by_the_next_start(task_image: str) -> None:
             await box.execute(ToolCall("bash", {{"command": "echo x > x"}}))
             await boxes.restore(await box.snapshot())
             print(boxes.run, boxes._layers, flush=True)
+            sys.stdin.readline()  # alive until its leftovers are seen: a dead run's may go to any factory starting
             os._exit(1)  # no cleanup at all
         asyncio.run(main())
         """)
-    proc = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=120)
-    run_id, layers = proc.stdout.split() or ["", ""]
-    assert run_id and labelled("container", run_id) and Path(layers).is_dir(), proc.stderr
+    args = [sys.executable, "-c", crash]
+    with subprocess.Popen(
+        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as child:
+        assert child.stdout and child.stdin and child.stderr
+        run_id, layers = child.stdout.readline().split() or ["", ""]
+        there = bool(run_id and labelled("container", run_id) and Path(layers).is_dir())
+        with contextlib.suppress(BrokenPipeError):  # it may have died already, before printing
+            child.stdin.write("die\n")
+            child.stdin.flush()
+        assert child.wait(timeout=120) == 1, child.stderr.read()
+    assert there, child.stderr.read()
 
     async def next_start() -> None:
         async with DockerSandboxes(task_image) as boxes:
