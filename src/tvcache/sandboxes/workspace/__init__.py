@@ -87,6 +87,7 @@ from ._jail import Jail, find_bwrap
 from ._mounts import Mounter
 from ._rundir import RunDir
 from ._seccomp import bpf_program
+from ._tracing_plan import TracingPlan
 
 __all__ = ["DEFAULT_ENV", "TOOLS", "Isolation", "WorkspaceSandbox", "WorkspaceSandboxes"]
 
@@ -325,6 +326,8 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         self._tracer: tuple[str, str] | None = None
         #: The eBPF tracer, used instead of strace where it works (see _ebpf).
         self._ebpf: _ebpf.Tracer | None = None
+        #: Which commands the eBPF tracer watches (strace traces all: an untraced command's PIDs would differ).
+        self._plan = TracingPlan()
         self._digest_cache: dict[tuple[int, ...], str] = {}
         self._base_box: WorkspaceSandbox | None = None
         self._base_lock = asyncio.Lock()
@@ -543,12 +546,13 @@ class WorkspaceSandbox(ManagedSandbox):
         )
 
     async def _run_watched(self, command: str) -> CommandResult:
-        """`_run`, watched by the eBPF tracer when it traces this factory's commands: its window stays open in
-        `_watch` until `_observed` collects it or `execute` abandons it (its events are not wanted)."""
+        """`_run`, watched by the eBPF tracer when it traces this factory's commands and the command is worth it
+        (see _tracing_plan): its window stays open in `_watch` until `_observed` collects it or `execute` abandons
+        it (its events are not wanted)."""
         ebpf = self._factory._ebpf
         cgroup = self._made_cgroup() if ebpf is not None else None  # made first, to watch the command in it
         group = cgroup.id() if cgroup is not None else None
-        if ebpf is not None and group is not None:
+        if ebpf is not None and group is not None and self._factory._plan.wanted(command):
             self._watch = (ebpf, ebpf.begin(group))
         return await self._run(command)
 
@@ -636,9 +640,12 @@ class WorkspaceSandbox(ManagedSandbox):
         reads: Mapping[str, str] | None = None
         later: tuple[Callable[..., Any], tuple[Any, ...]] | None = None  # a digest to make after the answer
         root, cache, known = self.root, self._factory._digest_cache, self._known
-        path = call.args.get("path", "") if isinstance(call.args, dict) else ""
+        args = call.args if isinstance(call.args, dict) else {}
+        path, command = args.get("path", ""), args.get("command", "")
         if call.tool == "bash" and self._factory._ebpf is not None:
             watch = self._watch
+            if watch is not None:
+                self._factory._plan.traced(command, useful=not files_changed)
             if watch is not None and not files_changed:  # else `execute` abandons it: its events are not wanted
                 self._watch = None
                 later = _ebpf.read_set, (*watch, root, cache, known)
