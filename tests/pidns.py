@@ -26,13 +26,15 @@ IN_A_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc", "--"]
 CLONE_NEWPID = 0x20000000
 
 
-def run_python(script: str, *args: str, namespace: bool) -> Any:
+def run_python(script: str, *args: str, namespace: bool, own_proc: bool = True) -> Any:
     """What the Python program `script` printed as JSON, run with `args` in a process of its own, in a PID namespace
-    of its own if `namespace` (then it is that namespace's first process: its pid is 1). `script` can import the
-    tests' modules."""
+    of its own if `namespace` (then it is that namespace's first process: its pid is 1), with a /proc of that
+    namespace unless not `own_proc` (then /proc is the machine's, where pid 1 is another process). `script` can
+    import the tests' modules."""
     if namespace and (shutil.which("unshare") is None or subprocess.run([*IN_A_PID_NAMESPACE, "true"]).returncode):
         pytest.skip("unshare cannot make a PID namespace here")
-    argv = [*(IN_A_PID_NAMESPACE if namespace else []), sys.executable, "-c", script, *args]
+    unshare = IN_A_PID_NAMESPACE if own_proc else [w for w in IN_A_PID_NAMESPACE if w != "--mount-proc"]
+    argv = [*(unshare if namespace else []), sys.executable, "-c", script, *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -699,3 +699,33 @@ def test_mapping_base_and_fingerprint(base: Path) -> None:
         assert fingerprint() != same
     finally:
         shutil.rmtree(other)
+
+
+PID_NAMESPACE_SCRIPT = """
+import asyncio, json, os, sys
+from tvcache import SandboxError, ToolCall
+from tvcache.sandboxes.workspace import WorkspaceSandboxes
+
+async def main():
+    try:
+        boxes = WorkspaceSandboxes(sys.argv[1], isolation=sys.argv[2])
+    except SandboxError as exc:
+        return {"error": str(exc)}
+    async with boxes:
+        box = await boxes.create()
+        return (await box.execute(ToolCall("bash", {"command": "cat README; echo $$"}))).output
+
+print(json.dumps({"pid": os.getpid(), "result": asyncio.run(main())}))
+"""
+
+
+def test_a_pid_namespace_without_its_own_proc_is_refused_clearly(base: Path, mode: str) -> None:
+    """`unshare --pid --fork` without `--mount-proc`: this process is pid 1 and /proc is the machine's, where pid 1
+    is another process. bubblewrap then opens its children's namespaces by pids /proc does not know (it failed
+    with "open /proc/11/ns/ns", or worked when another process had that pid), so the factory refuses, saying why."""
+    import pidns
+
+    own = pidns.run_python(PID_NAMESPACE_SCRIPT, str(base), mode, namespace=True)
+    assert own == {"pid": 1, "result": {"output": "the readme\n1\n", "exit_code": 0}}  # with its own /proc
+    machines = pidns.run_python(PID_NAMESPACE_SCRIPT, str(base), mode, namespace=True, own_proc=False)
+    assert machines["pid"] == 1 and "/proc belongs to another PID namespace" in machines["result"]["error"]

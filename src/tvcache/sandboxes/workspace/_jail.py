@@ -95,7 +95,22 @@ def find_bwrap() -> str:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxError("workspace sandboxes need bubblewrap: apt-get install bubblewrap (or dnf, apk, ...)")
+    _check_proc()
     return bwrap
+
+
+def _check_proc() -> None:
+    """bwrap and the mounts name processes by their pid in /proc, which must be this PID namespace's."""
+    try:
+        seen = os.readlink("/proc/self")
+    except OSError as exc:
+        raise SandboxError(f"workspace sandboxes need /proc mounted: {exc}") from None
+    if seen != str(os.getpid()):
+        raise SandboxError(
+            f"this process is pid {os.getpid()} in its PID namespace but /proc names it {seen}: /proc belongs to "
+            "another PID namespace, and bubblewrap would open other processes' files; mount a /proc for this one "
+            "(unshare --pid --fork --mount-proc, or a container's own /proc)"
+        )
 
 
 class Jail:
