@@ -20,11 +20,9 @@ import aiodocker
 
 from ..reclaim import owner_alive, pid_namespace, process_start_time
 
-__all__ = ["RUN_LABEL", "SNAPSHOT_REPO", "dead_runs", "new_run", "reap_dead_runs", "remove_run"]
+__all__ = ["RUN_LABEL", "dead_runs", "new_run", "reap_dead_runs", "remove_run"]
 
 RUN_LABEL = "tvcache.run"
-#: Snapshot images are tagged `tvcache-snapshot:<run>-<n>` (an untagged image is what `docker image prune` eats).
-SNAPSHOT_REPO = "tvcache-snapshot"
 OWNER_LABEL = "tvcache.owner"
 
 
@@ -60,16 +58,6 @@ async def dead_runs(docker: aiodocker.Docker) -> list[tuple[str, str, int]]:
         labels = network.get("Labels") or {}
         owners[labels[RUN_LABEL]] = labels.get(OWNER_LABEL, "")
     dead = [(run, owner.split(" ")[1], sizes.get(run, 0)) for run, owner in owners.items() if _owner_gone(owner)]
-    # A flattened snapshot (an import: no labels) outlives the rest of its run when the process had closed its
-    # containers and deleted its other snapshots. Its tag names the run, whose name holds the pid but not the
-    # start time: it is dead when no process has that pid at all.
-    for image in await docker.images.list(filters={"reference": [f"{SNAPSHOT_REPO}:*"]}):
-        for tag in image.get("RepoTags") or []:
-            run = tag.partition(":")[2].rpartition("-")[0]
-            pid = run.split("-")[1] if run.count("-") == 2 else ""
-            if run not in owners and pid.isdigit() and process_start_time(int(pid)) is None:
-                owners[run] = ""
-                dead.append((run, pid, image.get("Size") or 0))
     return dead
 
 
@@ -91,8 +79,6 @@ async def remove_run(docker: aiodocker.Docker, run: str) -> None:
     # Newest first puts a child before its parent; commits within one second may still come out of order,
     # so a parent that still had a child is tried again in the next pass.
     images: list[dict[str, Any]] = await docker.images.list(all=True, filters=selector)
-    # Flattened snapshots come from an import, which takes no labels: they are tagged with the run instead.
-    images += await docker.images.list(filters={"reference": [f"{SNAPSHOT_REPO}:{run}-*"]})
     pending = sorted((i for i in images), key=lambda i: i.get("Created", 0), reverse=True)
     while pending:
         left = []
