@@ -116,3 +116,32 @@ def test_a_rollout_answers_before_its_read_set_and_keeps_it_after(tracer: str, m
     assert first.output == second.output == {"output": "A\n", "exit_code": 0}
     assert not first.hit and second.hit and stats["read_set_hits"] == 1
     assert stats["seconds_background"] > 0  # the digest, counted off the critical path
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_a_replay_checks_writes_against_the_read_set_that_comes_after(tracer: str) -> None:
+    """A rebuilt state is checked against the recorded one where the sandbox vouches for its writes (it reported
+    reads; see `live._wrote_otherwise`). A workspace reports them after the answer, so the replay must wait for
+    them: else the check never runs. Here the recorded edge is not reproducible (`export X=$RANDOM`: the same
+    empty output, another shell state), so its replay must count as a mismatch and detach the rollout, whose next
+    answer then comes from its own sandbox (were it not detached, the node would hold the replayed X under the
+    recorded state)."""
+
+    async def main() -> tuple[list[Any], dict[str, Any]]:
+        with tree({"a": "A\n"}) as base:
+            async with factory(base, tracer) as boxes:
+                await uses(boxes, tracer)
+                async with tvcache.ToolCache(snapshot_budget=0) as cache:  # the state is rebuilt by replaying
+                    async with cache.rollout("t", boxes, tools=tvcache.Tools()) as r:
+                        await r.call("bash", {"command": "export X=$RANDOM$RANDOM$RANDOM"})
+                        first = await r.call("bash", {"command": "echo $X"})
+                    async with cache.rollout("t", boxes, tools=tvcache.Tools()) as r:
+                        hit = await r.call("bash", {"command": "export X=$RANDOM$RANDOM$RANDOM"})
+                        again = await r.call("bash", {"command": "echo $X; true"})  # a miss: rebuilt here
+                        last = await r.call("bash", {"command": "echo $X"})
+                    return [first, hit, again, last], cache.stats()
+
+    (first, hit, again, last), stats = asyncio.run(main())
+    assert hit.hit and not again.hit and not last.hit  # detached: the first rollout's answer is not this state's
+    assert last.output == again.output != first.output
+    assert (stats["mismatches"], stats["detached"]) == (1, 1)

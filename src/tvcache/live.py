@@ -14,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .calls import ToolCall
 from .context import Context, Factory
 from .graph import child_id, decode_output, encode_output
 from .policy import Reuse, Route, cheapest_route, should_snapshot, worth_leasing
-from .sandboxes.base import Outcome, Sandbox, SandboxBusy, SandboxError, Sandboxes, SnapshotGone
+from .sandboxes.base import Outcome, Sandbox, SandboxBusy, SandboxError, Sandboxes, SnapshotGone, settled
 from .stores.base import Lease, StoreError
 
 __all__ = ["History", "LiveSandbox", "Step"]
@@ -355,6 +355,8 @@ class LiveSandbox:
             t0 = time.perf_counter()
             try:
                 outcome = await self.execute(step.call)
+                if step.writes is not None:  # checked against what it read, which may come after the answer
+                    outcome = await _with_reads(outcome, step.call)
             except BaseException:
                 await self.drop()
                 raise
@@ -381,6 +383,16 @@ async def _close(box: Sandbox) -> None:
 async def _close_after(saving: asyncio.Task[None], box: Sandbox) -> None:
     await asyncio.wait([saving])
     await box.close()
+
+
+async def _with_reads(outcome: Outcome, call: ToolCall) -> Outcome:
+    """`outcome` with its read set once made; without one if making it failed (a bug, not the files: digests that
+    cannot be read give None), which leaves the writes unchecked, as for any sandbox that reports no reads."""
+    try:
+        return await settled(outcome)
+    except Exception as exc:
+        log.warning("could not tell what %r read: %r", call.label()[:200], exc)
+        return replace(outcome, reads_later=None)
 
 
 def _same_output(output: Any, recorded: bytes) -> bool:
