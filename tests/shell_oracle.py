@@ -97,8 +97,8 @@ async def uncached(oracle: Any, commands: list[str]) -> list[dict[str, Any]]:
 
 
 async def cached_rollouts_wrong(boxes: Any, oracle: Any, plan: list[list[str]], rounds: int) -> int:
-    """Run `plan` through a ToolCache `rounds` times (concurrent rollouts, random pauses); count the answers
-    that differ from the oracle's fresh uncached sandboxes."""
+    """Run `plan` through a ToolCache `rounds` times (concurrent rollouts, random pauses), then two rollouts that
+    rebuild a state; count the answers that differ from the oracle's fresh uncached sandboxes."""
     rng = random.Random(len(plan))
     expected = [await uncached(oracle, commands) for commands in plan]
     wrong = 0
@@ -116,6 +116,12 @@ async def cached_rollouts_wrong(boxes: Any, oracle: Any, plan: list[list[str]], 
             results = await asyncio.gather(*(rollout(c) for c in plan))
             for want, got in zip(expected, results, strict=True):
                 wrong += sum(a != b for a, b in zip(got, want, strict=True))
+        # However the timing fell above, a state to rebuild: one rollout makes a change, and the next, which hits
+        # it, misses right after and needs a sandbox in that state (restored from a snapshot, or replayed).
+        change = [*plan[0], "echo rebuilt >> rebuilt.log"]
+        for commands in (change, [*change, "cat rebuilt.log; ls -A"]):
+            want = await uncached(oracle, commands)
+            wrong += sum(a != b for a, b in zip(await rollout(commands), want, strict=True))
         stats = cache.stats()
         assert stats["hits"] > 0 and stats["snapshots"] + stats["replays"] > 0, stats
     return wrong
