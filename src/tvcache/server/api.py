@@ -19,7 +19,7 @@ import time
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -37,9 +37,12 @@ __all__ = [
     "HTTPError",
     "JSONApi",
     "disconnected",
+    "unless_gone",
 ]
 
 log = logging.getLogger("tvcache.server")
+
+T = TypeVar("T")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -354,3 +357,21 @@ async def disconnected(receive: Receive) -> None:
     """Return when the client disconnects (after the body, ASGI's receive() yields nothing else)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_gone(work: Awaitable[T], receive: Receive) -> T:
+    """`work`'s result, for a handler that waits on its client's behalf; if the client hangs up first, `work` is
+    cancelled and ClientGone raised (there is nobody to answer)."""
+    working = asyncio.ensure_future(work)
+    hangup = asyncio.ensure_future(disconnected(receive))
+    try:
+        await asyncio.wait((working, hangup), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the server is shutting down
+        working.cancel()
+        raise
+    finally:
+        hangup.cancel()
+    if not working.done():
+        working.cancel()
+        raise ClientGone
+    return working.result()

@@ -41,13 +41,12 @@ from . import openapi
 from .api import (
     DEFAULT_MAX_BODY,
     DEFAULT_READ_TIMEOUT,
-    ClientGone,
     Headers,
     HTTPError,
     JSONApi,
     Receive,
     Scope,
-    disconnected,
+    unless_gone,
 )
 from .counters import Counters
 from .metrics import Metrics, cache_metrics
@@ -165,19 +164,7 @@ class CacheApp(JSONApi):
         hangs up meanwhile, stop waiting for it."""
         self.counters.waits += 1
         timeout = min(req.timeout, self._wait_cap)
-        waiting = asyncio.ensure_future(self.store.wait(req.scope_key, req.node, req.digest, timeout))
-        hangup = asyncio.ensure_future(disconnected(receive))
-        try:
-            await asyncio.wait((waiting, hangup), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # the server is shutting down
-            waiting.cancel()
-            raise
-        finally:
-            hangup.cancel()
-        if not waiting.done():
-            waiting.cancel()
-            raise ClientGone
-        entry = waiting.result()
+        entry = await unless_gone(self.store.wait(req.scope_key, req.node, req.digest, timeout), receive)
         if entry is None:
             return None
         self.counters.waited_hit(req.scope_key, entry.seconds)

@@ -20,6 +20,7 @@ from ..sandboxes.remote.wire import (
     ExecuteRequest,
     InfoReply,
     Listing,
+    ReadsRequest,
     RenewRequest,
     SandboxReply,
     SandboxRequest,
@@ -29,7 +30,7 @@ from ..sandboxes.remote.wire import (
 from ..stores.wire import HEALTHZ, Endpoint, HealthReply, operation
 from ..version import __version__
 from . import openapi
-from .api import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT, HTTPError, JSONApi, Receive
+from .api import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT, HTTPError, JSONApi, Receive, unless_gone
 from .counters import RequestCounters
 from .metrics import Metrics, request_metrics
 from .sandbox_pool import AtCapacity, BackendFailed, CallRefused, SandboxPool, UnknownId, WrongEnvironment
@@ -41,6 +42,13 @@ SANDBOX_ENDPOINTS: list[Endpoint] = [
     operation("create", CreateRequest, SandboxReply, "A new sandbox in the starting state."),
     operation("restore", SnapshotRequest, SandboxReply, "A new sandbox in a snapshot's state (404: no such snapshot)."),
     operation("execute", ExecuteRequest, ExecuteReply, "Execute one tool call in a sandbox; renews its lease."),
+    operation(
+        "reads",
+        ReadsRequest,
+        dict[str, str] | None,
+        "The read set an execute left pending (`reads_later`), once digested; given once (404 after; null: it "
+        "could not be made).",
+    ),
     operation("snapshot", SandboxRequest, SnapshotReply, "Save a sandbox's state; the sandbox stays usable."),
     operation("close", SandboxRequest, None, "Close a sandbox. Idempotent."),
     operation("delete", SnapshotRequest, None, "Delete a snapshot. Idempotent."),
@@ -57,7 +65,8 @@ SANDBOX_ENDPOINTS: list[Endpoint] = [
 ]
 
 _ERRORS = {
-    "404": "No such sandbox or snapshot here: closed, expired, evicted, or made by another server process.",
+    "404": "No such sandbox, snapshot or pending read set here: closed, expired, evicted, fetched already, or made "
+    "by another server process.",
     "409": "The client expects another starting state (fingerprint) than this server serves.",
     "422": "The sandbox refused the call (its backend raised ValueError, TypeError or LookupError: an unknown "
     "tool, a missing argument).",
@@ -117,17 +126,21 @@ class SandboxApp(JSONApi):
     # -- the operations: one per endpoint, named as in remote.wire.SANDBOX_ENDPOINTS ----------------------
 
     async def _create(self, req: CreateRequest, receive: Receive) -> SandboxReply:
-        return SandboxReply(await self.pool.create(req.fingerprint), self.pool.live)
+        return SandboxReply(await self.pool.create(req.fingerprint), self.pool.live, reads_later=True)
 
     async def _restore(self, req: SnapshotRequest, receive: Receive) -> SandboxReply:
-        return SandboxReply(await self.pool.restore(req.snapshot), self.pool.live)
+        return SandboxReply(await self.pool.restore(req.snapshot), self.pool.live, reads_later=True)
 
     async def _execute(self, req: ExecuteRequest, receive: Receive) -> ExecuteReply:
         try:
             call = ToolCall(req.tool, req.args)
         except (TypeError, ValueError) as exc:
             raise HTTPError(400, f"invalid tool call: {exc}") from None
-        return await self.pool.execute(req.sandbox, call)
+        return await self.pool.execute(req.sandbox, call, req.reads_later)
+
+    async def _reads(self, req: ReadsRequest, receive: Receive) -> dict[str, str] | None:
+        # A client that hangs up stops the wait; the read set stays until fetched or dropped.
+        return await unless_gone(self.pool.reads(req.sandbox, req.pending), receive)
 
     async def _base_digests(self, req: BaseDigestsRequest, receive: Receive) -> dict[str, str] | None:
         return await self.pool.base_digests(req.keys)
@@ -175,5 +188,7 @@ def _metrics(pool: SandboxPool, counters: RequestCounters) -> Iterator[Metric]:
     yield CounterMetricFamily(f"{prefix}_execution_seconds", seconds, value=pool.counts.seconds_executing)
     yield GaugeMetricFamily(f"{prefix}_live", "Live sandboxes.", value=pool.live)
     yield GaugeMetricFamily(f"{prefix}_held_snapshots", "Snapshots held.", value=pool.snapshot_count)
+    pending = "Read sets held for their clients to fetch."
+    yield GaugeMetricFamily(f"{prefix}_pending_read_sets", pending, value=pool.pending_reads)
     yield CounterMetricFamily(f"{prefix}_errors", "Requests answered with a 4xx or 5xx status.", value=counters.errors)
     yield from request_metrics(prefix, counters)

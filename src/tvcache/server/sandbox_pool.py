@@ -9,9 +9,12 @@ a request can only name what this process made. Bounds, so a host survives its c
   its restore then fails, and the rollout takes a shallower route, as with any lost snapshot;
 - a call that outlives the backend's own timeout by `GRACE` seconds (at most: as much again for short
   timeouts) is abandoned and its sandbox closed;
-- an output whose encoding is over `max_output` bytes is replaced by a note and marked an error (not cached).
+- an output whose encoding is over `max_output` bytes is replaced by a note and marked an error (not cached);
+- a read set left for its client to fetch (`execute(..., reads_later=True)`, then `reads`) is held until fetched,
+  at most `MAX_PENDING_READS` per sandbox (beyond, the oldest is dropped), and dropped with its sandbox.
 
-Calls in one sandbox run one at a time, in order of arrival.
+Calls in one sandbox run one at a time, in order of arrival; a sandbox that answers before its read set is
+digested runs nothing else until it is (`Outcome.reads_later`), so a call that follows waits for that too.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -37,6 +40,7 @@ __all__ = [
     "DEFAULT_MAX_SANDBOXES",
     "DEFAULT_MAX_SNAPSHOTS",
     "DEFAULT_TIMEOUT",
+    "MAX_PENDING_READS",
     "AtCapacity",
     "BackendFailed",
     "CallRefused",
@@ -56,6 +60,7 @@ DEFAULT_MAX_SNAPSHOTS = 1024
 DEFAULT_MAX_OUTPUT = 16 << 20  # ToolCache's max_output_bytes: larger outputs would not be cached anyway
 DEFAULT_TIMEOUT = 600.0  # per call, for a backend that has no timeout of its own
 GRACE = 10.0
+MAX_PENDING_READS = 16  # per sandbox: a client fetches each read set as soon as it is answered
 
 
 class UnknownId(LookupError):
@@ -87,6 +92,8 @@ class _Live:
     executions: int = 0
     closed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Read sets being digested (or digested) for the client to fetch, by id, oldest first.
+    pending: OrderedDict[str, asyncio.Future[Mapping[str, str] | None]] = field(default_factory=OrderedDict)
 
 
 @dataclass(eq=False)
@@ -164,8 +171,10 @@ class SandboxPool:
         self.counts.restores += 1
         return sandbox
 
-    async def execute(self, sandbox: str, call: ToolCall) -> ExecuteReply:
-        """The call's encoded output, whether it changed the state, whether it failed, what it read and wrote."""
+    async def execute(self, sandbox: str, call: ToolCall, reads_later: bool = False) -> ExecuteReply:
+        """The call's encoded output, whether it changed the state, whether it failed, what it read and wrote.
+        With `reads_later`, a sandbox that answers before it has digested what the call read is not waited for:
+        the reply names the read set for `reads` instead."""
         live = self._get(sandbox)
         async with live.lock:
             if live.closed:
@@ -198,10 +207,39 @@ class SandboxPool:
                 f"[tvcache sandbox server: an output of {len(blob):,} bytes is over its {self.max_output:,}-byte limit]"
             )
             return ExecuteReply(encode_output(note), outcome.changed, True)
-        outcome = await settled(outcome)  # the wire carries the read set with the answer
-        reads = dict(outcome.reads) if outcome.reads is not None else None
         writes = dict(outcome.writes) if outcome.writes is not None else None
+        if reads_later and outcome.reads_later is not None:
+            pending = secrets.token_hex(8)
+            live.pending[pending] = outcome.reads_later
+            while len(live.pending) > MAX_PENDING_READS:
+                live.pending.popitem(last=False)  # its client never fetched it: a later fetch gets None
+            return ExecuteReply(blob, outcome.changed, outcome.error, None, writes, pending)
+        outcome = await settled(outcome)  # the client takes the read set with the answer
+        reads = dict(outcome.reads) if outcome.reads is not None else None
         return ExecuteReply(blob, outcome.changed, outcome.error, reads, writes)
+
+    async def reads(self, sandbox: str, pending: str) -> dict[str, str] | None:
+        """The read set `execute` left pending under that id, once digested (None: it could not be made); given
+        once. Waits at most as long as a call may take."""
+        live = self._get(sandbox)
+        later = live.pending.get(pending)
+        if later is None:
+            raise UnknownId(
+                f"no pending read set {pending} in sandbox {sandbox} (fetched already, or dropped: a sandbox holds "
+                f"at most {MAX_PENDING_READS})"
+            )
+        live.used = time.monotonic()
+        done, _ = await asyncio.wait([later], timeout=self.deadline)
+        live.pending.pop(pending, None)
+        if not done:
+            self.counts.failures += 1
+            raise BackendFailed(f"the sandbox did not digest the read set within {self.deadline:g} s")
+        failed = "cancelled" if later.cancelled() else later.exception()
+        if failed is not None:  # the sandbox's bug, not the files (those give None): never a wrong read set
+            log.warning("a read set could not be made", extra={"error": repr(failed)[:500]})
+            return None
+        reads = later.result()
+        return dict(reads) if reads is not None else None
 
     async def base_digests(self, keys: list[str]) -> dict[str, str] | None:
         """The starting state's digests of `keys`, or None if the backend cannot tell them (`BaseDigests`)."""
@@ -308,6 +346,10 @@ class SandboxPool:
     def snapshot_count(self) -> int:
         return len(self._snapshots)
 
+    @property
+    def pending_reads(self) -> int:
+        return sum(len(live.pending) for live in self._live.values())
+
     # -- plumbing ----------------------------------------------------------------------------------------
 
     async def _open(self, make: Callable[[], Awaitable[Sandbox]]) -> str:
@@ -332,6 +374,7 @@ class SandboxPool:
         if self._live.get(sandbox) is live:
             del self._live[sandbox]
         live.closed = True
+        live.pending.clear()
         await self._quietly(live.box.close())
 
     async def _backend(self, work: Awaitable[T]) -> T:

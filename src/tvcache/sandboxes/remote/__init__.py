@@ -51,6 +51,7 @@ from .wire import (
     ExecuteReply,
     ExecuteRequest,
     InfoReply,
+    ReadsRequest,
     RenewRequest,
     SandboxReply,
     SandboxRequest,
@@ -173,7 +174,7 @@ class RemoteSandboxes:
                 failures.append(str(exc))
                 continue
             server.load = reply.live
-            return self._hold(server, reply.sandbox)
+            return self._hold(server, reply)
         raise SandboxError("no sandbox server could make a sandbox: " + "; ".join(failures))
 
     async def restore(self, snapshot_id: str) -> RemoteSandbox:
@@ -189,7 +190,7 @@ class RemoteSandboxes:
                 raise SandboxBusy(str(exc)) from exc
             raise
         server.load = reply.live
-        return self._hold(server, reply.sandbox)
+        return self._hold(server, reply)
 
     async def base_digests(self, keys: Collection[str]) -> Mapping[str, str]:
         """The starting state's digests (reuse by what a call read), from a server that answers: every server
@@ -289,11 +290,12 @@ class RemoteSandboxes:
             raise SnapshotGone(f"snapshot {snapshot_id} was made by a sandbox server process that is gone")
         return server
 
-    def _hold(self, server: _Server, sandbox: str) -> RemoteSandbox:
+    def _hold(self, server: _Server, reply: SandboxReply) -> RemoteSandbox:
+        sandbox = reply.sandbox
         server.held.add(sandbox)
         if self._heartbeat is None or self._heartbeat.done():
             self._heartbeat = asyncio.get_running_loop().create_task(self._renew_leases())
-        box = RemoteSandbox(self, server, sandbox)
+        box = RemoteSandbox(self, server, sandbox, reply.reads_later)
         # One dropped without close() is no longer renewed: its server closes it when the lease runs out.
         weakref.finalize(box, server.held.discard, sandbox)
         return box
@@ -341,12 +343,19 @@ class RemoteSandboxes:
 
 
 class RemoteSandbox:
-    """One live sandbox on a sandbox server."""
+    """One live sandbox on a sandbox server.
 
-    def __init__(self, factory: RemoteSandboxes, server: _Server, sandbox: str):
+    Where its server can (`SandboxReply.reads_later`), it answers as soon as the backend does, before the backend
+    has digested what the call read: the outcome's `reads_later` is a task that fetches the read set (`/v1/reads`),
+    or gives None if it is lost (the server restarted, the sandbox closed), which only costs reuse by what the call
+    read. The server's backend runs nothing else in the sandbox until the digest is done."""
+
+    def __init__(self, factory: RemoteSandboxes, server: _Server, sandbox: str, reads_later: bool = False):
         self._factory = factory
         self._server = server
         self.id = sandbox
+        self._reads_later = reads_later
+        self._fetching: set[asyncio.Task[Mapping[str, str] | None]] = set()
 
     @property
     def server(self) -> str:
@@ -355,9 +364,26 @@ class RemoteSandbox:
     async def execute(self, call: ToolCall) -> Outcome:
         server = self._server
         deadline = server.timeout + MARGIN
-        request = ExecuteRequest(self.id, call.tool, call.args)
+        request = ExecuteRequest(self.id, call.tool, call.args, self._reads_later)
         reply: ExecuteReply = await self._factory._call(server, "execute", request, ExecuteReply, deadline)
-        return Outcome(decode_output(reply.output), reply.changed, reply.error, reply.reads, reply.writes)
+        later = None
+        if reply.reads_pending is not None:
+            later = asyncio.get_running_loop().create_task(self._fetch_reads(reply.reads_pending))
+            self._fetching.add(later)
+            later.add_done_callback(self._fetching.discard)
+        output = decode_output(reply.output)
+        return Outcome(output, reply.changed, reply.error, reply.reads, reply.writes, reads_later=later)
+
+    async def _fetch_reads(self, pending: str) -> Mapping[str, str] | None:
+        server = self._server
+        try:
+            reads: dict[str, str] | None = await self._factory._call(
+                server, "reads", ReadsRequest(self.id, pending), dict[str, str] | None, server.timeout + MARGIN
+            )
+        except (SandboxError, RuntimeError) as exc:  # RuntimeError: this client was closed meanwhile
+            log.debug("the read set of a call in sandbox %s is lost: %s", self.id, exc)
+            return None
+        return reads
 
     async def snapshot(self) -> str:
         reply: SnapshotReply = await self._factory._call(
@@ -373,6 +399,8 @@ class RemoteSandbox:
             return
         server.held.discard(self.id)
         server.load = max(0, server.load - 1)
+        if self._fetching:  # its read sets first, as a local sandbox's close waits for its digest
+            await asyncio.wait(list(self._fetching))
         try:
             await self._factory._call(server, "close", SandboxRequest(self.id), None)
         except SandboxError as exc:
@@ -382,4 +410,4 @@ class RemoteSandbox:
         return f"RemoteSandbox({self.id} on {self._server.url})"
 
 
-_OPERATIONS = ("create", "restore", "execute", "snapshot", "close", "delete", "renew", "info", "base_digests")
+_OPERATIONS = ("create", "restore", "execute", "reads", "snapshot", "close", "delete", "renew", "info", "base_digests")

@@ -4,6 +4,8 @@ loads the server.
 
 Every operation is one `POST /v1/<op>` (or a GET without arguments) with a JSON body; the reply is JSON, and
 a refusal is a 4xx or 5xx with `{"error": "..."}`.
+An execute that asks for `reads_later` is answered before its read set is digested (`Outcome.reads_later`);
+`POST /v1/reads` then waits for the read set and returns it once (null: it could not be made).
 Tool outputs travel as `graph.encode_output` blobs (msgpack, base64 in JSON), so a remote sandbox answers
 with exactly the str, bytes or JSON value a local one would. Ids are made by the server: a sandbox id is
 random; a snapshot id starts with the id of the server process holding it (`<server>.<random>`), so a client
@@ -26,6 +28,7 @@ __all__ = [
     "ExecuteRequest",
     "InfoReply",
     "Listing",
+    "ReadsRequest",
     "RenewRequest",
     "SandboxReply",
     "SandboxRequest",
@@ -45,6 +48,9 @@ SnapshotId = Annotated[
         pattern="^[0-9a-f]{12}\\.[0-9a-f]{16}$",
         description="a snapshot: the id of the server process holding it, a dot, a random part",
     ),
+]
+PendingId = Annotated[
+    str, msgspec.Meta(pattern="^[0-9a-f]{16}$", description="a read set the server is still digesting, or holds")
 ]
 Fingerprint = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 ToolName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024, pattern="^\\S+$", description="no whitespace")]
@@ -70,13 +76,29 @@ class SnapshotRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     snapshot: SnapshotId
 
 
-class ExecuteRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# Sent without its default, so a request that does not opt in is one an older server (which refuses unknown
+# fields) takes: a client opts in only for a sandbox whose server said it can (`SandboxReply.reads_later`).
+class ExecuteRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     sandbox: SandboxId
     tool: ToolName
     args: Annotated[
         dict[str, Any] | str,
         msgspec.Meta(description="the call's arguments: a JSON object, or text that is not one (see ToolCall)"),
     ]
+    reads_later: Annotated[
+        bool,
+        msgspec.Meta(
+            description="answer without waiting for the read set where the sandbox digests it after answering; "
+            "the reply's `reads_pending` then names it for /v1/reads"
+        ),
+    ] = False
+
+
+class ReadsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A read set an execute left pending (`ExecuteReply.reads_pending`): waits until it is digested."""
+
+    sandbox: SandboxId
+    pending: PendingId
 
 
 class RenewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -84,10 +106,12 @@ class RenewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SandboxReply(msgspec.Struct, frozen=True):
-    """A new live sandbox, and how many the server now holds (for placing the next one)."""
+    """A new live sandbox, and how many the server now holds (for placing the next one). `reads_later`: its
+    server takes `ExecuteRequest.reads_later` (an older server sends no such field)."""
 
     sandbox: SandboxId
     live: int
+    reads_later: bool = False
 
 
 class SnapshotReply(msgspec.Struct, frozen=True):
@@ -102,6 +126,7 @@ class ExecuteReply(msgspec.Struct, frozen=True):
     error: bool
     reads: dict[str, str] | None = None  # what the call read, by state key (reuse by what a call read)
     writes: dict[str, str] | None = None  # what it wrote
+    reads_pending: PendingId | None = None  # asked for `reads_later`: the read set to fetch from /v1/reads
 
 
 class BaseDigestsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
