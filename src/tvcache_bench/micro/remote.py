@@ -11,6 +11,11 @@ database, taking turns call by call so that both see the same moments of the mac
 - per-call latency of `execute`; the overhead of a remote call is its p50 minus the local p50;
 - create, snapshot, restore and close;
 - calls per second with 32 concurrent rollouts, each executing in its own sandbox back to back.
+
+Then, over loopback, short commands in a workspace traced for read sets (`WorkspaceSandboxes(read_sets=True)`,
+eBPF where it works, else strace), on a server of its own: two sandboxes taking turns, one asking for its read
+sets inline (as clients before `reads_later` do: the server waits for the digest), one asking for them after the
+answer (`Outcome.reads_later`, fetched from /v1/reads); per call, the time to the answer and to the read set.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ OPS = 150  # creates, snapshots, restores, closes per latency figure
 ROLLOUTS = 32
 SECONDS = 3.0  # per throughput figure
 ROUNDS = 3
+TRACED_CALLS = 150  # per command and side
 VETH = "10.232.0"  # the two namespaces' private /30: .1 the server, .2 the client
 
 
@@ -154,14 +160,53 @@ async def _client(url: str, db: str, token: str | None) -> dict[str, Any]:
         await remote.factory.close()
 
 
+async def _traced_client(url: str, token: str | None) -> dict[str, Any]:
+    import tvcache
+    from tvcache.sandboxes.base import settled
+
+    from .read_sets import PLAIN_COMMANDS
+
+    factory = tvcache.RemoteSandboxes(url, token=token)
+    result: dict[str, Any] = {}
+    try:
+        boxes = {"inline": await factory.create(), "after": await factory.create()}
+        boxes["inline"]._reads_later = False  # as a client before reads_later asks
+        for command in PLAIN_COMMANDS[:2]:
+            call = tvcache.ToolCall("bash", {"command": command})
+            samples: dict[str, list[float]] = {}
+            for i in range(20 + TRACED_CALLS):  # 20 to warm up: the page cache, the factory's digests
+                for name, box in boxes.items():
+                    t0 = time.perf_counter()
+                    outcome = await box.execute(call)
+                    answered = time.perf_counter()
+                    if (await settled(outcome)).reads is None:
+                        raise RuntimeError(f"{command!r} gave no read set: is the server's workspace traced?")
+                    if i >= 20:
+                        samples.setdefault(f"{name} answer", []).append(answered - t0)
+                        samples.setdefault(f"{name} reads", []).append(time.perf_counter() - t0)
+            result[command] = {k: _percentiles(v) for k, v in samples.items()}
+    finally:
+        await factory.close()
+    return result
+
+
+def traced_workspace(base: str) -> Any:
+    """The traced case's server factory (`--sandbox python:tvcache_bench.micro.remote:traced_workspace`)."""
+    from tvcache.sandboxes.workspace import WorkspaceSandboxes
+
+    return WorkspaceSandboxes(base, read_sets=True)
+
+
 def _client_main(argv: list[str]) -> None:
     import uvloop
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
-    parser.add_argument("--db", required=True)
+    parser.add_argument("--db")
     args = parser.parse_args(argv)
-    print(json.dumps(uvloop.run(_client(args.url, args.db, os.environ.get("TVCACHE_TOKEN")))))
+    token = os.environ.get("TVCACHE_TOKEN")
+    work = _client(args.url, args.db, token) if args.db else _traced_client(args.url, token)
+    print(json.dumps(uvloop.run(work)))
 
 
 # -- the benchmark -----------------------------------------------------------------------------------------
@@ -176,11 +221,11 @@ def _make_db(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _server(db: Path, host: str, prefix: list[str], token: str) -> Iterator[str]:
-    """A sandbox server of `db` on `host` (run under `prefix`), pinned to the first core; its URL."""
+def _server(base: Path, host: str, prefix: list[str], token: str, kind: str = "sqlite") -> Iterator[str]:
+    """A sandbox server of `kind` over `base` on `host` (run under `prefix`), pinned to the first core; its URL."""
     port = free_port()
-    command = [*prefix, sys.executable, "-m", "tvcache.server", "sandbox-server", "--sandbox", "sqlite"]
-    command += ["--base", str(db), "--host", host, "--port", str(port), "--log-level", "warning"]
+    command = [*prefix, sys.executable, "-m", "tvcache.server", "sandbox-server", "--sandbox", kind]
+    command += ["--base", str(base), "--host", host, "--port", str(port), "--log-level", "warning"]
     env = {**os.environ, "TVCACHE_TOKEN": token}
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     pin(proc.pid, 0)
@@ -210,8 +255,10 @@ def _await_health(proc: subprocess.Popen[bytes], url: str, prefix: list[str], to
     raise RuntimeError("the sandbox server did not start within 30 s")
 
 
-def _measure_in_client(db: Path, url: str, prefix: list[str], token: str) -> dict[str, Any]:
-    command = [*prefix, sys.executable, "-m", "tvcache_bench.micro.remote", "client", "--db", str(db), "--url", url]
+def _measure_in_client(db: Path | None, url: str, prefix: list[str], token: str) -> dict[str, Any]:
+    """The client's figures, from its own process pinned to the second core (no `db`: the traced case)."""
+    command = [*prefix, sys.executable, "-m", "tvcache_bench.micro.remote", "client", "--url", url]
+    command += ["--db", str(db)] if db is not None else []
     env = {**os.environ, "TVCACHE_TOKEN": token}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     pin(proc.pid, 1)
@@ -271,10 +318,12 @@ def run(console: Console | None = None, rounds: int = ROUNDS) -> dict[str, Any]:
             for _ in range(rounds):
                 for path, (url, prefix) in paths.items():
                     runs.setdefault(path, []).append(_measure_in_client(db, url, prefix, token))
+        traced = _traced(token)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     results = {path: min(found, key=lambda r: r["remote"]["execute"]["p50_ms"]) for path, found in runs.items()}
     _print(results, console)
+    _print_traced(traced, console)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     console.print(
         f"local: the same SQLiteSandboxes in the client's process, measured in turns with the remote one, call by "
@@ -283,7 +332,29 @@ def run(console: Console | None = None, rounds: int = ROUNDS) -> dict[str, Any]:
         f"separate cores.\n{'' if 'veth' in results else 'veth: skipped (needs root and iproute2). '}"
         f"{os.cpu_count()} CPUs; 1-minute load average at the end: {load:.2f}"
     )
-    return {"paths": results, "rounds": runs, "cpus": os.cpu_count(), "loadavg": load}
+    return {"paths": results, "rounds": runs, "traced": traced, "cpus": os.cpu_count(), "loadavg": load}
+
+
+def _traced(token: str) -> dict[str, Any]:
+    from .read_sets import _plain_project
+
+    base = _plain_project()
+    try:
+        with _server(base, "127.0.0.1", [], token, "python:tvcache_bench.micro.remote:traced_workspace") as url:
+            return _measure_in_client(None, url, [], token)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _print_traced(traced: dict[str, Any], console: Console) -> None:
+    table = Table(title="A traced workspace through the server (loopback), ms: read set inline / after the answer")
+    for column in ("command", "inline p50", "after: answer p50", "after: read set p50", "answer saved"):
+        table.add_column(column, justify="left" if column == "command" else "right")
+    for command, figures in traced.items():
+        inline, answer = figures["inline answer"]["p50_ms"], figures["after answer"]["p50_ms"]
+        reads = figures["after reads"]["p50_ms"]
+        table.add_row(command, f"{inline:.2f}", f"{answer:.2f}", f"{reads:.2f}", f"{1 - answer / inline:.0%}")
+    console.print(table)
 
 
 def _print(results: dict[str, dict[str, Any]], console: Console) -> None:
