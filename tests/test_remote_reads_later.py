@@ -66,9 +66,15 @@ def served(base: Path, tracer: str) -> Iterator[tuple[str, SandboxApp]]:
         ready.set()
         await serving
 
-    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    def run() -> None:
+        try:
+            asyncio.run(serve())
+        finally:
+            ready.set()  # a server that failed to start fails the test at once
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    assert ready.wait(120) and held["server"].started, "the sandbox server did not start"
+    assert ready.wait(120) and "server" in held and held["server"].started, "the sandbox server did not start"
     try:
         yield f"http://127.0.0.1:{port}", held["app"]
     finally:
@@ -123,13 +129,13 @@ async def cat(box: Any) -> tvcache.Outcome:
     return answer
 
 
-def delay_fetches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The client's read-set requests leave 0.3 s late (a slow network), so what follows the answer is first."""
+def delay_fetches(monkeypatch: pytest.MonkeyPatch, until: asyncio.Event | None = None) -> None:
+    """The client's read-set requests leave late (a slow network): 0.3 s late, or once `until` is set."""
     call = RemoteSandboxes._call
 
     async def delayed(self: RemoteSandboxes, server: Any, name: str, *args: Any) -> Any:
         if name == "reads":
-            await asyncio.sleep(0.3)
+            await (until.wait() if until is not None else asyncio.sleep(0.3))
         return await call(self, server, name, *args)
 
     monkeypatch.setattr(RemoteSandboxes, "_call", delayed)
@@ -270,12 +276,14 @@ def test_a_cancelled_fetch_leaves_the_sandbox_and_the_server_usable(monkeypatch:
 def test_a_lost_read_set_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """The server dropped the pending read set (its sandbox was closed under the client, as an expired lease or a
     restart would): the fetch gives None, so the call is reused by exact history only, never by a wrong read set."""
-    delay_fetches(monkeypatch)
+    closed = asyncio.Event()
+    delay_fetches(monkeypatch, closed)
 
     async def main() -> None:
         async with remote_box() as (box, url, _, _):
             done = await cat(box)
             assert (await post(url, "close", {"sandbox": box.id}))[0] == 200
+            closed.set()
             assert (await asyncio.wait_for(settled(done), 30)).reads is None
 
     asyncio.run(main())
