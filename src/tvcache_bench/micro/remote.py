@@ -323,7 +323,6 @@ def run(console: Console | None = None, rounds: int = ROUNDS) -> dict[str, Any]:
         shutil.rmtree(scratch, ignore_errors=True)
     results = {path: min(found, key=lambda r: r["remote"]["execute"]["p50_ms"]) for path, found in runs.items()}
     _print(results, console)
-    _print_traced(traced, console)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     console.print(
         f"local: the same SQLiteSandboxes in the client's process, measured in turns with the remote one, call by "
@@ -332,6 +331,7 @@ def run(console: Console | None = None, rounds: int = ROUNDS) -> dict[str, Any]:
         f"separate cores.\n{'' if 'veth' in results else 'veth: skipped (needs root and iproute2). '}"
         f"{os.cpu_count()} CPUs; 1-minute load average at the end: {load:.2f}"
     )
+    _print_traced(traced, console)
     return {"paths": results, "rounds": runs, "traced": traced, "cpus": os.cpu_count(), "loadavg": load}
 
 
@@ -355,6 +355,11 @@ def _print_traced(traced: dict[str, Any], console: Console) -> None:
         reads = figures["after reads"]["p50_ms"]
         table.add_row(command, f"{inline:.2f}", f"{answer:.2f}", f"{reads:.2f}", f"{1 - answer / inline:.0%}")
     console.print(table)
+    console.print(
+        f"Two sandboxes of one traced workspace server taking turns, {TRACED_CALLS} calls each per command: one "
+        "asking for its read sets inline (the server waits for the digest), one after the answer; 'read set': "
+        "from the call until the read set is fetched."
+    )
 
 
 def _print(results: dict[str, dict[str, Any]], console: Console) -> None:
