@@ -122,6 +122,12 @@ def _spawn(port: int, workdir: Path, *extra: str) -> subprocess.Popen[bytes]:
     )
 
 
+def _exited(proc: subprocess.Popen[bytes], port: int) -> bool:
+    if proc.poll() is None:
+        return False
+    raise RuntimeError(f"redis-server on port {port} exited ({proc.returncode}): was the port taken meanwhile?")
+
+
 def _await(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -134,11 +140,15 @@ def start_server(*extra: str) -> RedisServer:
     """One server; `extra` options go to redis-server (`"--appendonly", "no"` for Redis's defaults)."""
     if shutil.which("redis-server") is None:
         pytest.skip(MISSING)
+    return _started_anew(lambda: _start_server(*extra))
+
+
+def _start_server(*extra: str) -> RedisServer:
     workdir = Path(tempfile.mkdtemp(prefix="tvcache-redis-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     port = free_port()
     server = RedisServer(f"redis://127.0.0.1:{port}/0", [port], [_spawn(port, workdir, *extra)], workdir)
     try:
-        _await(lambda: _answers(port), f"redis-server on port {port}")
+        _await(lambda: _answers(port) or _exited(server.procs[0], port), f"redis-server on port {port}")
     except BaseException:
         server.stop()
         raise
@@ -149,13 +159,17 @@ def start_cluster(nodes: int = 3) -> RedisServer:
     """A cluster of `nodes` primaries, no replicas: `redis-cli --cluster create` splits the slots."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip(MISSING)
+    return _started_anew(lambda: _start_cluster(nodes))
+
+
+def _start_cluster(nodes: int) -> RedisServer:
     workdir = Path(tempfile.mkdtemp(prefix="tvcache-cluster-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     ports = [free_port(cluster=True) for _ in range(nodes)]
     procs = [_spawn(p, workdir, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf") for p in ports]
     server = RedisServer(f"redis+cluster://127.0.0.1:{ports[0]}", ports, procs, workdir)
     try:
-        for p in ports:
-            _await(lambda p=p: _answers(p), f"cluster node on port {p}")
+        for p, proc in zip(ports, procs, strict=True):
+            _await(lambda p=p, proc=proc: _answers(p) or _exited(proc, p), f"cluster node on port {p}")
         subprocess.run(
             ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-yes"],
             check=True,
@@ -172,6 +186,18 @@ def start_cluster(nodes: int = 3) -> RedisServer:
 
 # One server of each kind per session, however many test modules import these fixtures.
 _started: dict[str, RedisServer] = {}
+
+
+def _started_anew(start: Callable[[], RedisServer], attempts: int = 3) -> RedisServer:
+    """`start()`, again on fresh ports if a server did not come up: a port found free may be taken before the
+    server binds it (the other test worker starts servers too), and then the server exits at once."""
+    for attempt in range(attempts):
+        try:
+            return start()
+        except RuntimeError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _shared(kind: str, start: Callable[[], RedisServer]) -> Iterator[RedisServer]:
