@@ -24,7 +24,7 @@ from .policy import Reuse, Route, cheapest_route, should_snapshot, worth_leasing
 from .sandboxes.base import Outcome, Sandbox, SandboxBusy, SandboxError, Sandboxes, SnapshotGone, settled
 from .stores.base import Lease, StoreError
 
-__all__ = ["History", "LiveSandbox", "Step"]
+__all__ = ["History", "LiveSandbox", "Step", "with_reads"]
 
 log = logging.getLogger("tvcache")
 
@@ -356,7 +356,7 @@ class LiveSandbox:
             try:
                 outcome = await self.execute(step.call)
                 if step.writes is not None:  # checked against what it read, which may come after the answer
-                    outcome = await _with_reads(outcome, step.call)
+                    outcome = await with_reads(outcome, step.call)
             except BaseException:
                 await self.drop()
                 raise
@@ -385,9 +385,10 @@ async def _close_after(saving: asyncio.Task[None], box: Sandbox) -> None:
     await box.close()
 
 
-async def _with_reads(outcome: Outcome, call: ToolCall) -> Outcome:
+async def with_reads(outcome: Outcome, call: ToolCall) -> Outcome:
     """`outcome` with its read set once made; without one if making it failed (a bug, not the files: digests that
-    cannot be read give None), which leaves the writes unchecked, as for any sandbox that reports no reads."""
+    cannot be read give None), logged: the call is then one whose reads were not observed (no candidate; a replay
+    leaves its writes unchecked)."""
     try:
         return await settled(outcome)
     except Exception as exc:

@@ -26,9 +26,9 @@ from typing import Any, Literal
 from .calls import ToolCall, Tools
 from .context import Context
 from .graph import EDGE, MEMO, Entry, Kind, Scope, decode_output, encode_output
-from .live import History, LiveSandbox
+from .live import History, LiveSandbox, with_reads
 from .reads import Candidate, Writes, base_digests_of, candidate_of, choose
-from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes, ToolError, refusal, settled
+from .sandboxes.base import Outcome, Sandbox, SandboxError, Sandboxes, ToolError, refusal
 from .stores.base import Claim, StoreError, TaskInfo
 
 __all__ = ["Result", "Rollout", "RolloutStats", "Source", "current_rollout"]
@@ -395,11 +395,7 @@ class Rollout:
         hazards are read in it)."""
         if self._base is None:
             return None
-        try:
-            outcome = await settled(outcome)
-        except Exception as exc:  # a bug, not the files: digests that cannot be read give None
-            log.warning("could not tell what %r read: %r", call.label()[:200], exc)
-            return None
+        outcome = await with_reads(outcome, call)  # reads None if making them failed: no candidate
         edge = kind == EDGE
         return await candidate_of(outcome, blob, seconds, call.label(), edge=edge, before=before, base=self._base)
 
