@@ -191,13 +191,10 @@ _started: dict[str, RedisServer] = {}
 def _started_anew(start: Callable[[], RedisServer], attempts: int = 3) -> RedisServer:
     """`start()`, again on fresh ports if a server did not come up: a port found free may be taken before the
     server binds it (the other test worker starts servers too), and then the server exits at once."""
-    for attempt in range(attempts):
-        try:
+    for _ in range(attempts - 1):
+        with contextlib.suppress(RuntimeError):
             return start()
-        except RuntimeError:
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
+    return start()
 
 
 def _shared(kind: str, start: Callable[[], RedisServer]) -> Iterator[RedisServer]:
