@@ -358,7 +358,7 @@ BENCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # many to hold every strategy's at once in tmpfs.
     "sql": {"tasks": 40, "epochs": 1, "rollouts": 8, "seed": 0, "no_tpch": False, "turns": "strategy"},
     "swe": {"tasks": None, "epochs": 1, "timeout": 60.0, "no_warmup": False, "turns": "step", "read_sets": False},
-    "terminal": {"tasks": None, "epochs": 2, "timeout": 60.0, "no_warmup": False, "turns": "step"},
+    "terminal": {"tasks": None, "epochs": 2, "timeout": 60.0, "no_warmup": False, "turns": "step", "read_sets": False},
     "airline": {"tasks": None, "epochs": 1, "latency": 0.05, "turns": "step"},
     "video": {"tasks": None, "epochs": 1, "rollouts": 8, "seed": 0, "turns": "step"},
     "grpo": {"steps": 10, "seed": 0},
@@ -412,8 +412,8 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
         "--read-sets",
         action="store_true",
         default=None,
-        help="(swe) trace the commands' reads in the workspace sandboxes of tvcache (read_sets=True); the other "
-        "strategies run untraced",
+        help="(swe, terminal) trace the commands' reads in the workspace sandboxes of tvcache (read_sets=True); the "
+        "other strategies run untraced",
     )
     parser.add_argument(
         "--no-warmup",
@@ -523,7 +523,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         from .workloads import terminal
 
         def build_terminal() -> Workload:
-            return terminal.build_workload(o["tasks"], timeout=o["timeout"])
+            return terminal.build_workload(o["tasks"], timeout=o["timeout"], read_sets=o["read_sets"])
 
         return _replay_bench(build_terminal, options, o, charts, describe=terminal.describe, warmup=not o["no_warmup"])
     from .workloads import swe

@@ -360,19 +360,29 @@ def write(path: str | Path = TRACES, seed: int = SEED) -> None:
             f.write(json.dumps(trace.to_json(), separators=(",", ":")) + "\n")
 
 
-def build_workload(tasks: int | None = None, *, timeout: float = 60.0) -> Workload:
+def build_workload(tasks: int | None = None, *, timeout: float = 60.0, read_sets: bool = False) -> Workload:
     """The shipped rollouts of the first `tasks` tasks (all 6 when None) in workspace sandboxes over the shipped
-    base, as `tvcache replay TRACES --sandbox workspace --base BASE` replays them. Close the workload."""
+    base, as `tvcache replay TRACES --sandbox workspace --base BASE` replays them. `read_sets` traces the reads
+    of the commands of the strategies that reuse by them (tvcache), while the others run untraced, as swe's do.
+    Close the workload."""
     from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
     traces = first_tasks(read_traces(TRACES), tasks)
-    factory = WorkspaceSandboxes(BASE, timeout=timeout)
+    factory = WorkspaceSandboxes(BASE, timeout=timeout, read_sets=read_sets)
+    untraced = WorkspaceSandboxes(BASE, timeout=timeout) if read_sets else None
+
+    async def close() -> None:
+        await factory.close()
+        if untraced is not None:
+            await untraced.close()
+
     return Workload(
         name="terminal",
         traces=traces,
         sandboxes=lambda task: factory,
+        untraced=None if untraced is None else (lambda task: untraced),
         tools=Tools(),
-        close=factory.close,
+        close=close,
         notes=describe(),
     )
 
