@@ -508,7 +508,7 @@ class WorkspaceSandbox(ManagedSandbox):
         self._state = state
         self._cgroup: SandboxCgroup | None = None
         self._netns: str | None = None
-        self._watch: tuple[_ebpf.Tracer, _ebpf.Window] | None = None
+        self._watch: tuple[_ebpf.Tracer, _ebpf.Window, str] | None = None  # and the command's group
         #: Keys of reads digested since the files last changed (see _reads.Digester): a new one at every change.
         self._known: _reads.Known = {}
 
@@ -552,8 +552,8 @@ class WorkspaceSandbox(ManagedSandbox):
         ebpf = self._factory._ebpf
         cgroup = self._made_cgroup() if ebpf is not None else None  # made first, to watch the command in it
         group = cgroup.id() if cgroup is not None else None
-        if ebpf is not None and group is not None and self._factory._plan.wanted(command):
-            self._watch = (ebpf, ebpf.begin(group))
+        if ebpf is not None and group is not None and (name := self._factory._plan.wanted(command)) is not None:
+            self._watch = (ebpf, ebpf.begin(group), name)
         return await self._run(command)
 
     def _unwatch(self) -> None:
@@ -641,14 +641,14 @@ class WorkspaceSandbox(ManagedSandbox):
         later: tuple[Callable[..., Any], tuple[Any, ...]] | None = None  # a digest to make after the answer
         root, cache, known = self.root, self._factory._digest_cache, self._known
         args = call.args if isinstance(call.args, dict) else {}
-        path, command = args.get("path", ""), args.get("command", "")
+        path = args.get("path", "")
         if call.tool == "bash" and self._factory._ebpf is not None:
             watch = self._watch
             if watch is not None:
-                self._factory._plan.traced(command, useful=not files_changed)
+                self._factory._plan.traced(watch[2], useful=not files_changed)
             if watch is not None and not files_changed:  # else `execute` abandons it: its events are not wanted
                 self._watch = None
-                later = _ebpf.read_set, (*watch, root, cache, known)
+                later = _ebpf.read_set, (*watch[:2], root, cache, known)
         elif call.tool == "bash" and self._factory._tracer is not None:
             parsed = None if trace is None else await asyncio.to_thread(_reads.parse_trace, trace)
             if not (parsed.complete if parsed is not None else _reads.shell_ended(tail)):

@@ -66,17 +66,18 @@ class TracingPlan:
     def __init__(self) -> None:
         self._groups: dict[str, _Group] = {}
 
-    def wanted(self, command: str) -> bool:
-        """Trace this command? Counts it as a run of its group."""
-        group = self._groups.setdefault(program(command), _Group())
+    def wanted(self, command: str) -> str | None:
+        """The group of `command` if it is to be traced, else None. Counts it as a run of its group."""
+        name = program(command)
+        group = self._groups.setdefault(name, _Group())
         if group.traced < TRIES or group.useful * USEFUL >= group.traced:
-            return True
+            return name
         group.runs += 1
-        return group.runs % PROBE == 1
+        return name if group.runs % PROBE == 1 else None
 
-    def traced(self, command: str, *, useful: bool) -> None:
-        """A traced run of `command` ended: it left the files alone (`useful`) or not."""
-        group = self._groups.setdefault(program(command), _Group())
+    def traced(self, name: str, *, useful: bool) -> None:
+        """A traced run of group `name` (what `wanted` said) ended: it left the files alone (`useful`) or not."""
+        group = self._groups.setdefault(name, _Group())
         group.traced += 1
         group.useful += useful
 
