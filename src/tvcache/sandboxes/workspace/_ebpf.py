@@ -205,7 +205,8 @@ def _calls_h() -> str:
     rows: list[tuple[str, int, int, int, int, int | None, int | None, int | None]] = []
     for name, (dfd, path, flags) in _PATH_CALLS.items():
         made = 1 if name in ("open", "openat", "creat") else 2 if name == "chdir" else 0
-        rows.append((name, kinds["path"], made, name in _FSTAT_CALLS, NAMES.index(name), dfd, path, flags))
+        kind = kinds["execve" if name == "execveat" else "path"]  # read on entry, as execve (see reads.bpf.c)
+        rows.append((name, kind, made, name in _FSTAT_CALLS, NAMES.index(name), dfd, path, flags))
     rows.append(("execve", kinds["execve"], 0, 0, NAMES.index("execve"), None, 0, None))
     rows += [(n, kinds["fd"], 2 if n == "fchdir" else 0, 0, NAMES.index(n), 0, None, None) for n in _FD_CALLS]
     rows += [(n, kinds["hazard"], 0, 0, NAMES.index(n), None, None, None) for n in _HAZARDS]
