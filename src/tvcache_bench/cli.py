@@ -13,7 +13,7 @@ and `import tvcache` never load the benchmarks.
                 [--json OUT] [--charts DIR]
 
     tvcache replay TRACES --sandbox workspace|docker|sqlite|python:module:factory --base DIR | --image IMAGE
-        [--setup CMD]
+        [--setup CMD] [--read-sets]
         [--tasks N] [--epochs E] [--timeout S] [--concurrency C] [--store URL]
         [--strategies none,naive,paper,tvcache] [--json OUT] [--charts DIR]
 """
@@ -97,6 +97,12 @@ def add_commands(subparsers: Any) -> None:
         "layers as the sandbox's root (workspace); an OCI layout or `docker save` archive path also works there",
     )
     p.add_argument("--setup", metavar="CMD", help="run once before any rollout: a shell command (workspace) or SQL")
+    p.add_argument(
+        "--read-sets",
+        action="store_true",
+        help="(workspace) trace the commands' reads in the sandboxes of the strategies that reuse results by what a "
+        "call read (tvcache); the other strategies run untraced. SQLite sandboxes tell their reads without it",
+    )
     p.add_argument("--tasks", type=_positive_int, metavar="N", help="replay only the first N tasks of the file")
     p.add_argument("--epochs", type=_positive_int, default=1, metavar="E", help="replay the traces E times (default 1)")
     p.add_argument("--batch", type=_positive_int, default=4, metavar="B", help="tasks per training step (default 4)")
@@ -334,6 +340,7 @@ async def _replay(args: argparse.Namespace) -> dict[str, Any]:
         read_only=args.read_only,
         timeout=args.timeout,
         image=args.image,
+        read_sets=args.read_sets,
     )
     try:
         result = await replay_strategies(workload, args.strategies, options, store=args.store, namespace=args.namespace)

@@ -13,6 +13,10 @@ builders here make one from any trace file and a sandbox kind:
   `setup` as for workspace.
 - `python:module:factory`: `module.factory()` returns a `Sandboxes`, or `module.factory(base)` when a base
   is given. Setup is the factory's business.
+
+`read_sets` (`--read-sets`) traces what each command reads in workspace sandboxes, for the strategies that reuse
+results by it; the others get an untraced factory of the same base (`Workload.untraced`). SQLite sandboxes always
+tell what a query read (the authorizer), and the other kinds cannot be told to: for them it is an error.
 """
 
 from __future__ import annotations
@@ -111,15 +115,29 @@ async def load_workload(
     read_only: frozenset[str] = frozenset(),
     timeout: float | None = None,
     image: str | None = None,
+    read_sets: bool = False,
 ) -> Workload:
     """A workload replaying `traces_path` in one sandbox factory shared by all its tasks (each task still
-    has its own scope in the cache, and every rollout starts from the factory's base state)."""
+    has its own scope in the cache, and every rollout starts from the factory's base state). `read_sets`: see
+    the module docstring."""
+    if read_sets:
+        _check_read_sets(sandbox, setup)
     traces = first_tasks(read_traces(traces_path), tasks)
     if not traces:
         raise ValueError(f"{traces_path} holds no rollouts")
-    factory, release = await sandboxes_from_spec(sandbox, base=base, setup=setup, timeout=timeout, image=image)
+    options: dict[str, Any] = {"base": base, "setup": setup, "timeout": timeout, "image": image}
+    factory, release = await sandboxes_from_spec(sandbox, **options, read_sets=read_sets)
+    untraced: Sandboxes | None = None
+    if read_sets:  # the strategies that do not reuse by what a call read, and the oracle, run untraced
+        try:
+            untraced, release_untraced = await sandboxes_from_spec(sandbox, **options)
+        except BaseException:
+            await release()
+            raise
+        release = _both(release_untraced, release)
     where = f"{sandbox} sandboxes" + (f" from {base}" if base else "") + (f" of image {image}" if image else "")
     where += f" after setup {setup!r}" if setup else ""
+    where += ", traced for their reads for the strategies that reuse by them" if read_sets else ""
     return Workload(
         name=Path(traces_path).stem,
         traces=traces,
@@ -127,21 +145,61 @@ async def load_workload(
         tools=Tools(read_only=read_only),
         close=release,
         notes=f"{len(traces)} rollouts of {len(task_order(traces))} tasks from {traces_path}, replayed in {where}",
+        untraced=None if untraced is None else (lambda task: untraced),
     )
 
 
+def _both(first: Callable[[], Awaitable[None]], then: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    async def release() -> None:
+        try:
+            await first()
+        finally:
+            await then()
+
+    return release
+
+
+def _check_read_sets(sandbox: str, setup: str | None) -> None:
+    """ValueError unless `--read-sets` means something for this sandbox kind."""
+    if sandbox == "sqlite":
+        raise ValueError(
+            "--read-sets applies to --sandbox workspace: SQLite sandboxes always tell what a query read (through "
+            "the authorizer), so tvcache reuses by it without the option"
+        )
+    if sandbox.startswith("python:"):
+        raise ValueError(
+            "--read-sets applies to --sandbox workspace: a python: factory decides itself whether its sandboxes "
+            "tell what a call read (e.g. WorkspaceSandboxes(..., read_sets=True))"
+        )
+    if sandbox == "docker":
+        raise ValueError("--read-sets applies to --sandbox workspace: Docker containers cannot tell what a call read")
+    if sandbox == "workspace" and setup:
+        # SetupSandboxes starts from a snapshot whose digests no factory can tell (`BaseDigests`): the option
+        # would silently reuse nothing by what a call read.
+        raise ValueError("--read-sets does not work with --setup yet: bake the setup into --base or --image instead")
+
+
 async def sandboxes_from_spec(
-    spec: str, *, base: str | Path | None, setup: str | None, timeout: float | None, image: str | None = None
+    spec: str,
+    *,
+    base: str | Path | None,
+    setup: str | None,
+    timeout: float | None,
+    image: str | None = None,
+    read_sets: bool = False,
 ) -> tuple[Sandboxes, Callable[[], Awaitable[None]]]:
-    """The factory a `--sandbox` value names, and a function releasing it."""
+    """The factory a `--sandbox` value names, and a function releasing it; `read_sets` (workspace only) traces
+    what its commands read."""
     if image is not None and spec not in ("workspace", "docker"):
         raise ValueError(f"--image applies to --sandbox workspace or docker, not {spec!r}")
+    if read_sets and spec != "workspace":
+        raise ValueError(f"--read-sets applies to --sandbox workspace, not {spec!r}")
     if spec == "docker":
         return await _docker(base, image, setup, timeout)
     if spec == "sqlite":
         return _sqlite(base, setup, timeout)
     if spec == "workspace":
-        return await _workspace(base, setup, timeout, image)
+        return await _workspace(base, setup, timeout, image, read_sets)
     if spec.startswith("python:"):
         if setup:
             raise ValueError("--setup is not supported with python: sandboxes; do the setup in the factory")
@@ -184,14 +242,18 @@ def _sqlite(
 
 
 async def _workspace(
-    base: str | Path | None, setup: str | None, timeout: float | None, image: str | None = None
+    base: str | Path | None,
+    setup: str | None,
+    timeout: float | None,
+    image: str | None = None,
+    read_sets: bool = False,
 ) -> tuple[Sandboxes, Callable[[], Awaitable[None]]]:
     from tvcache.sandboxes.images import workspace_from_image
     from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
     if (base is None) == (image is None):
         raise ValueError("--sandbox workspace needs --base DIR or --image IMAGE (one of them)")
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"read_sets": True} if read_sets else {}
     if timeout is not None and "timeout" in inspect.signature(WorkspaceSandboxes).parameters:
         options["timeout"] = timeout
     if image is not None:

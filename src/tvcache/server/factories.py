@@ -5,7 +5,9 @@
 - `docker --image IMAGE`: `DockerSandboxes(IMAGE)`;
 - `python:module:factory`: `module.factory()`, or `module.factory(base)` with `--base`, returning any Sandboxes.
 
-`timeout` (seconds per call) goes to the backends that take one.
+`timeout` (seconds per call) goes to the backends that take one. `read_sets` (`--read-sets`) traces what each
+workspace command reads, so that clients reuse results by it; SQLite sandboxes tell what a query read without it,
+and the other kinds cannot be told to: for them it is an error.
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ KINDS = "workspace (--base DIR), sqlite (--base FILE), docker (--image IMAGE) or
 
 
 def open_sandboxes(
-    kind: str, *, base: str | None = None, image: str | None = None, timeout: float | None = None
+    kind: str,
+    *,
+    base: str | None = None,
+    image: str | None = None,
+    timeout: float | None = None,
+    read_sets: bool = False,
 ) -> Sandboxes:
     """The factory `kind` names; ValueError with a message for the command line when it cannot be made."""
+    why = _NO_READ_SETS.get(kind.split(":")[0]) if read_sets else None
+    if why is not None:
+        raise ValueError(f"--read-sets applies to --sandbox workspace, not {kind}: {why}")
     if kind.startswith("python:"):
         return _python(kind, base)
     backends = {
@@ -46,13 +56,21 @@ def open_sandboxes(
         backend = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"--sandbox {kind} is not available here ({exc})") from None
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"read_sets": True} if read_sets else {}
     if timeout is not None:
         if "timeout" not in inspect.signature(backend).parameters:
             raise ValueError(f"--timeout is not an option of {name}")
         options["timeout"] = timeout
     factory: Sandboxes = backend(source, **options)
     return factory
+
+
+_NO_READ_SETS = {
+    "sqlite": "SQLite sandboxes always tell what a query read (through the authorizer), without the option",
+    "docker": "Docker containers cannot tell what a call read",
+    "python": "a python: factory decides itself whether its sandboxes tell what a call read "
+    "(e.g. WorkspaceSandboxes(..., read_sets=True))",
+}
 
 
 def _python(spec: str, base: str | None) -> Sandboxes:

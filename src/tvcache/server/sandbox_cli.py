@@ -28,6 +28,12 @@ def add_command(subparsers: Any) -> None:
     p.add_argument("--image", help="the image every sandbox starts from (docker)")
     p.add_argument("--timeout", type=float, help="seconds a tool call may take (default: the backend's own)")
     p.add_argument(
+        "--read-sets",
+        action="store_true",
+        help="(workspace) trace what each command reads, so that clients reuse results by it (SQLite sandboxes tell "
+        "what a query read without it)",
+    )
+    p.add_argument(
         "--lease",
         type=float,
         help="seconds an unused sandbox lives before it is closed (default 300); "
@@ -58,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
             limits[option] = getattr(args, option)
     _reclaim_predecessors(docker=args.sandbox == "docker")
     try:
-        factory = open_sandboxes(args.sandbox, base=args.base, image=args.image, timeout=args.timeout)
+        factory = open_sandboxes(
+            args.sandbox, base=args.base, image=args.image, timeout=args.timeout, read_sets=args.read_sets
+        )
         serve_sandboxes(factory, args.host, args.port, log_level=args.log_level, access_log=args.access_log, **limits)
     except (ValueError, TypeError, OSError, SandboxError) as exc:  # a bad kind, path, image or limit: no traceback
         raise SystemExit(f"tvcache sandbox-server: {exc}") from None
