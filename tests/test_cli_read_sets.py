@@ -1,5 +1,5 @@
 """Reuse by what a call read, switched on from the command line: `tvcache replay ... --read-sets` and
-`tvcache sandbox-server ... --read-sets`.
+`tvcache sandbox-server ... --read-sets`, and a remote factory closed before the cache keeps its read sets.
 
 Real workspace sandboxes (traced with eBPF where it runs, else strace), a real sandbox server in a subprocess on
 a loopback port, real HTTP. The rollouts: one `cat`s a file; another first changes an unrelated file, then runs
@@ -22,6 +22,7 @@ import pytest
 
 import tvcache
 from server_helpers import HERE, SandboxServer
+from test_remote_reads_later import delay_fetches
 from test_replay import cli
 from tvcache_bench.traces import Trace, TraceCall, write_traces
 
@@ -146,3 +147,36 @@ def test_sandbox_server_read_sets_on_other_sandboxes_is_an_error(sandbox: list[s
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": path})
     assert done.returncode != 0 and "tvcache sandbox-server: --read-sets applies to --sandbox workspace" in done.stderr
     assert said in done.stderr
+
+
+# -- the order of shutdown -----------------------------------------------------------------------------------------
+
+
+def test_remote_sandboxes_closed_before_the_cache_keep_the_read_sets_being_fetched(
+    tmp_path: Path, base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollout still open (`cache.open`, an environment not cleaned up yet) has its answer, and its read set is
+    still being fetched (the request leaves late, as on a slow network) when the remote factory is closed, before
+    the cache flushes: closing the factory waits for it, as closing a sandbox does, so it is kept, and another
+    rollout reuses the answer by it. (Before, the factory closed the sandbox on its server at once, which dropped
+    the read set: the fetch gave None.)"""
+    delay_fetches(monkeypatch)
+    tools = tvcache.Tools()
+
+    async def main() -> tuple[str, dict[str, float]]:
+        async with tvcache.ToolCache() as cache:
+            boxes = await asyncio.to_thread(tvcache.RemoteSandboxes, server.url)
+            open_one = await cache.open("t", boxes, tools)
+            await open_one.call("bash", CAT)
+            await boxes.close()
+            await cache.flush()
+            again = await asyncio.to_thread(tvcache.RemoteSandboxes, server.url)
+            async with again, cache.rollout("t", again, tools=tools) as r:
+                await r.call("bash", EDIT)
+                second = await r.call("bash", CAT)
+            await open_one.close()
+            return second.source, cache.stats()
+
+    with SandboxServer(tmp_path, ["--sandbox", "workspace", "--base", str(base), "--read-sets"]) as server:
+        source, stats = asyncio.run(main())
+    assert source == "reads" and stats["read_set_hits"] == 1

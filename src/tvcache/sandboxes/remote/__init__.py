@@ -103,6 +103,9 @@ class _Server:
         self.load = 0  # live sandboxes it reported, plus those placed since
         self.down_until = 0.0
         self.held: set[str] = set()  # ids of the sandboxes this client holds there
+        # Those of them still referenced here: closing the factory closes these objects, which wait for their
+        # read sets still being fetched.
+        self.boxes: weakref.WeakValueDictionary[str, RemoteSandbox] = weakref.WeakValueDictionary()
 
     def learn(self, info: InfoReply) -> None:
         self.id, self.timeout, self.lease, self.load = info.server, info.timeout, info.lease, info.live
@@ -220,12 +223,13 @@ class RemoteSandboxes:
             raise RuntimeError(f"this {self!r} is closed; make a new one")
 
     async def close(self) -> None:
-        """Close the sandboxes this object still holds, stop renewing leases, close the connections. Idempotent;
-        afterwards `create` and `restore` raise `RuntimeError`."""
+        """Close the sandboxes this object still holds, each after its read sets still being fetched (as closing
+        one does), stop renewing leases, close the connections. Idempotent; afterwards `create` and `restore` raise
+        `RuntimeError`."""
         self._closed = True
         for server in self._servers:
             for sandbox in list(server.held):
-                await RemoteSandbox(self, server, sandbox).close()
+                await (server.boxes.get(sandbox) or RemoteSandbox(self, server, sandbox)).close()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         await self._client.close()
@@ -295,7 +299,7 @@ class RemoteSandboxes:
         server.held.add(sandbox)
         if self._heartbeat is None or self._heartbeat.done():
             self._heartbeat = asyncio.get_running_loop().create_task(self._renew_leases())
-        box = RemoteSandbox(self, server, sandbox, reply.reads_later)
+        box = server.boxes[sandbox] = RemoteSandbox(self, server, sandbox, reply.reads_later)
         # One dropped without close() is no longer renewed: its server closes it when the lease runs out.
         weakref.finalize(box, server.held.discard, sandbox)
         return box
