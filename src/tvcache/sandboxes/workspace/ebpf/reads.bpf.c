@@ -268,6 +268,19 @@ static __u64 arg(struct pt_regs *regs, int k)
 	}
 }
 
+// Where a call taking a path (and maybe a directory descriptor and flags) starts, from the registers: its directory
+// descriptor, flags and the identity of the directory a relative path starts from, in `r`; the path read into `r`.
+static long named(struct task_struct *task, struct pt_regs *regs, const struct call *c, struct record *r)
+{
+	r->dirfd = c->dfd >= 0 ? (int)arg(regs, c->dfd) : AT_FDCWD;
+	r->flags = c->flags >= 0 ? (__s64)arg(regs, c->flags) : 0;
+	if (r->dirfd == AT_FDCWD)
+		of_pwd(task, r->base);
+	else
+		of_fd(task, r->dirfd, r->base);
+	return bpf_probe_read_user_str(r->path, PATH_MAX, (void *)arg(regs, c->path));
+}
+
 SEC("raw_tracepoint/sys_enter")
 int enter(struct bpf_raw_tracepoint_args *ctx)
 {
@@ -313,15 +326,8 @@ int enter(struct bpf_raw_tracepoint_args *ctx)
 			return 0;
 		}
 		r->call = c->index;
-		r->dirfd = c->dfd >= 0 ? (int)arg(regs, c->dfd) : AT_FDCWD;
-		r->flags = c->flags >= 0 ? (__s64)arg(regs, c->flags) : 0;
-		if (r->dirfd == AT_FDCWD)
-			of_pwd(task, r->base);
-		else
-			of_fd(task, r->dirfd, r->base);
 		of_root(task, r->root);
-		long len = bpf_probe_read_user_str(r->path, PATH_MAX, (void *)arg(regs, c->path));
-		emit(r, len);
+		emit(r, named(task, regs, c, r));
 	}
 	return 0; // any other traced call is recorded at its exit, from the same registers (see leave)
 }
@@ -368,17 +374,11 @@ int leave(struct bpf_raw_tracepoint_args *ctx)
 		if (c->made == MADE_PWD)
 			of_pwd(task, r->made);
 	} else {
-		r->dirfd = c->dfd >= 0 ? (int)arg(regs, c->dfd) : AT_FDCWD;
-		r->flags = c->flags >= 0 ? (__s64)arg(regs, c->flags) : 0;
-		if (r->dirfd == AT_FDCWD)
-			of_pwd(task, r->base);
-		else
-			of_fd(task, r->dirfd, r->base);
+		len = named(task, regs, c, r);
 		if (ret >= 0 && c->made == MADE_FD)
 			of_fd(task, ret, r->made);
 		if (ret >= 0 && c->made == MADE_PWD)
 			of_pwd(task, r->made);
-		len = bpf_probe_read_user_str(r->path, PATH_MAX, (void *)arg(regs, c->path));
 		// fstat of an open file (glibc's fstat is newfstatat(fd, "", AT_EMPTY_PATH)): a third of all calls,
 		// and the open that made the descriptor is recorded.
 		if (c->fstat && (r->flags & AT_EMPTY_PATH) && len == 1)
