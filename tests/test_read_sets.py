@@ -649,6 +649,80 @@ def test_a_program_started_by_execveat_is_in_the_read_set(tracer: str) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        "cat /testbed/p/sys/kernel/random/uuid",  # the kernel's state, through a symlink to /proc
+        "cat /testbed/m",  # the sandbox's own mounts (as /etc/mtab is)
+        "head -c 4 /testbed/r | od -An -tx1",  # a device, through a symlink to it
+    ],
+)
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_kernel_files_reached_through_a_symlink_give_no_read_set(command: str, tracer: str) -> None:
+    """A symlink into /proc or /dev reaches what a path named there reaches, but the read is resolved in the
+    sandbox's files, where /proc and /dev are empty directories: `path:/proc/sys` = "" in every state, while the
+    command prints what the kernel says. The control: the output differs between two runs of the same read set."""
+
+    async def main() -> None:
+        links = {"p": "/proc", "m": "/proc/self/mountinfo", "r": "/dev/urandom"}
+        with tree({"a.txt": "A\n"}, links) as base:
+            async with factory(base, tracer) as boxes:
+                await uses(boxes, tracer)
+                first, second = await boxes.create(), await boxes.create()
+                done, other = await execute(first, bash(command)), await execute(second, bash(command))
+                assert done.output["exit_code"] == 0 and done.output != other.output
+                assert done.reads is None, sorted(k for k in done.reads if "/proc" in k or "/dev" in k)
+
+    asyncio.run(main())
+
+
+#: Runs the script named first from a descriptor (fexecve: execveat(fd, "", AT_EMPTY_PATH)).
+FEXECVE = """import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+os.set_inheritable(fd, True)  # a script run from a descriptor is read again through /dev/fd by its interpreter
+os.execve(fd, ["script"], {})
+"""
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_the_interpreter_of_a_program_run_from_a_descriptor_is_in_the_read_set(tracer: str) -> None:
+    """fexecve runs the file a descriptor holds: the open that made it is traced, but the kernel also runs the
+    script's `#!` interpreter (or an ELF file's loader) without a call of the process, as for execve. Here the
+    interpreter is a symlink to echo; a state where it points to `true` prints nothing."""
+
+    async def main() -> None:
+        with tree({"fexecve.py": FEXECVE, "s": "#!/testbed/tool\n"}, {"tool": "/usr/bin/echo"}) as base:
+            os.chmod(base / "s", 0o755)
+            async with factory(base, tracer) as boxes:
+                await uses(boxes, tracer)
+                box = await boxes.create()
+                done = await execute(box, bash("python3 /testbed/fexecve.py /testbed/s"))
+                assert done.output == {"output": "/dev/fd/3\n", "exit_code": 0}
+                assert done.reads is not None and "path:/testbed/tool" in done.reads, sorted(done.reads)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_a_working_directory_reached_through_a_symlink_and_dotdot_is_where_the_kernel_went(tracer: str) -> None:
+    """chdir("l/..") through a symlink l -> real/sub ends in real, not next to l: `..` is the parent of where the
+    link led. A relative path without a directory descriptor (access, readlink) then starts there (strace once
+    took the text's normalised form, /testbed, and recorded /testbed/x for a read of /testbed/real/x)."""
+
+    async def main() -> None:
+        files = {"x": "top\n", "real/x": "real\n", "real/sub/y": ""}
+        with tree(files, {"l": "real/sub"}) as base:
+            async with factory(base, tracer) as boxes:
+                await uses(boxes, tracer)
+                box = await boxes.create()
+                script = "import os; os.chdir('/testbed/l/..'); print(os.access('x', 0), os.readlink('../l'))"
+                done = await execute(box, bash(f'python3 -c "{script}"'))
+                assert done.output == {"output": "True real/sub\n", "exit_code": 0}
+                assert done.reads is not None and "path:/testbed/real/x" in done.reads, sorted(done.reads)
+
+    asyncio.run(main())
+
+
 def _event(name: str, path: bytes, result: int = 0, flags: int = 0, base: str = "1:2", made: str = "") -> _ebpf.Event:
     return _ebpf.Event(0, 7, name, result, -100, flags, base, made, "1:1", path)
 
@@ -661,6 +735,8 @@ def _event(name: str, path: bytes, result: int = 0, flags: int = 0, base: str = 
         ([_event("openat", b"/a" * _ebpf.STRLEN)], "too long"),
         ([_event("newfstatat", b"")], "could not read"),  # an empty path without AT_EMPTY_PATH: a failed read
         ([_event("statfs", b"/testbed")], "statfs"),
+        # fexecve of a descriptor no traced open made (a memfd): the interpreter its content names is not known
+        ([_event("execveat", b"", flags=0x1000, base="1:9")], "descriptor the trace does not show"),
         ([_event("connect", b"/run/x", result=-111)], "connection"),  # dirfd 0 here: not a Unix socket
     ],
 )
@@ -724,6 +800,7 @@ def test_a_listing_is_in_the_directorys_own_order() -> None:
         "mkdir /testbed/dir",  # any write
         "python3 -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 0))'",  # a socket
         "df /testbed >/dev/null",  # free space (statfs)
+        "cat /proc/self/mountinfo /proc/self/cgroup >/dev/null",  # the sandbox's own mounts and group, by name
         # a watch of a file (what it reports later is not described by file digests)
         "python3 -c 'import ctypes; c = ctypes.CDLL(None); "
         'assert c.inotify_add_watch(c.inotify_init(), b"/testbed/a.txt", 2) > 0\'',

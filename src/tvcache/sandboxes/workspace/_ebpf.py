@@ -496,8 +496,16 @@ def to_trace(events: list[Event], hazard: str | None, resolve: object) -> Trace:
         if name == "connect" and (ok or e.dirfd != 1):  # dirfd: the address family, 1 AF_UNIX
             trace.unsound("a connection (not described by file digests)")
             continue
+        if text == "" and e.flags & _AT_EMPTY_PATH and name == "execveat":
+            # fexecve: the open that made the descriptor was recorded, but not the interpreter the kernel runs.
+            program = where(e.base)
+            if program is None:
+                trace.unsound("execveat of a descriptor the trace does not show")
+            else:
+                trace.read(program, EXEC)
+            continue
         if text == "":
-            if e.flags & _AT_EMPTY_PATH and name in (*_FSTAT_CALLS, "execveat"):
+            if e.flags & _AT_EMPTY_PATH and name in _FSTAT_CALLS:
                 continue  # fstat of an open file: the open that made the descriptor was recorded
             trace.unsound(f"{name} with a path the tracer could not read")
             continue

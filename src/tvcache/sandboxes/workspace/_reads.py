@@ -71,9 +71,11 @@ _PURE = frozenset({"/dev/null", "/dev/zero", "/dev/full", "/dev/tty", "/proc/fil
 #: for the stack's bounds), and the list of them: nothing of the sandbox's files, only what the processes did
 #: (their reads are traced) and the kernel's random choices (addresses, pipe numbers), which an uncached run
 #: would not repeat either. Every other /proc file shows the machine (load, memory, uptime): not reusable.
-#: Not below `root`, `cwd`, `exe`, `map_files` or a descriptor: those lead back into the sandbox's files.
+#: Not below `root`, `cwd`, `exe`, `map_files` or a descriptor: those lead back into the sandbox's files. Not the
+#: mounts or the cgroup either: they name the sandbox's own directories and group, another in each sandbox.
 _OWN_PROC = re.compile(
-    r"^/proc(/(self|thread-self|\d+)(/task/\d+)?(/(?!(root|cwd|exe|map_files)(/|$))[^/]+(/\d+)?)?)?$"
+    r"^/proc(/(self|thread-self|\d+)(/task/\d+)?"
+    r"(/(?!(root|cwd|exe|map_files|mounts|mountinfo|mountstats|cgroup)(/|$))[^/]+(/\d+)?)?)?$"
 )
 #: Where strace is looked for inside the sandbox's root.
 _STRACE_PATHS = ("/usr/bin/strace", "/bin/strace", "/usr/local/bin/strace")
@@ -312,7 +314,11 @@ def _one(trace: Trace, cwd: dict[int, str], pid: int, name: str, args: list[str]
         trace.unsound(f"{name} with a path the trace does not show: {', '.join(args)[:80]}")
         return
     if path == "" and (name in _FD_CALLS or _AT_EMPTY in flags):
-        if name != "getdents64" and name != "getdents" and name != "fchdir":
+        if name == "execveat" and not base:
+            # fexecve of a pipe, memfd or the like: the kernel reads the interpreter its content names.
+            trace.unsound("execveat of a descriptor the trace does not show")
+            return
+        if name not in ("getdents64", "getdents", "fchdir", "execveat"):
             # fstat of an open file: what it sees, the open that made the descriptor recorded already (every open
             # is traced; the only descriptors not opened by the command are the machinery's pipes and cgroups).
             return
@@ -332,7 +338,8 @@ def _one(trace: Trace, cwd: dict[int, str], pid: int, name: str, args: list[str]
     if name in ("chdir", "fchdir"):
         trace.read(target, WALK)  # what a chdir depends on: the walk there, and that it ends in a directory
         if ok:
-            cwd[pid] = posixpath.normpath(target)
+            # As named, not normalised: `..` after a symlink is the parent of where the link led (resolved later).
+            cwd[pid] = target
         return
     if name in ("getdents64", "getdents"):
         trace.read(target, LIST)
@@ -694,6 +701,12 @@ def read_set(
                 continue
             for how in sorted(hows):
                 digests.read(path, how)
+        for key in digests.keys:
+            # A symlink into /proc or /dev: resolved here, in the sandbox's files, where both are empty directories
+            # and say nothing of what the process found there (the machine's state, a device).
+            found = key.partition(":")[2]
+            if found.startswith(("/proc/", "/dev/")) and found not in _PURE:
+                return None, f"a read of {found} through a symlink (kernel state)"
         return dict(digests.keys), ""
 
 
