@@ -272,10 +272,12 @@ def test_a_read_set_after_a_change_is_digested_anew(tracer: str) -> None:
 SAME_READS = [
     "cat /testbed/l; test -e /testbed/nope || echo none; ls /testbed/d",
     "cd /testbed/d && cat ../a.txt x && ls -la .. >/dev/null",
-    "find /testbed -name '*.txt' | sort; find /testbed/d -execdir cat {} +",
+    # find (gnulib's fts) asks for free space (fstatfs): no read set; Python walks with descriptors instead
+    'cd /testbed && python3 -c \'import os; fd = os.open("d", os.O_RDONLY); print(os.listdir(fd)); os.fchdir(fd); '
+    'print(open("x").read())\'',
     'cd /testbed && python3 -c \'import os; fd = os.open("d", os.O_RDONLY); print(os.stat("x", dir_fd=fd).st_size)\'',
     "python3 -c 'import os, json; print(sorted(os.listdir(\"/testbed\")))'",
-    "grep -rn x /testbed 2>&1; stat -c %s /testbed/nope 2>&1; readlink /testbed/l",
+    "grep -n x /testbed/a.txt /testbed/d/x; stat -c %s /testbed/nope 2>&1; readlink /testbed/l",
 ]
 
 
@@ -645,6 +647,28 @@ def test_a_program_started_by_execveat_is_in_the_read_set(tracer: str) -> None:
                 done = await execute(box, bash("python3 /testbed/execveat.py /testbed/prog"))
                 assert done.output == {"output": "ran\n", "exit_code": 0}
                 assert done.reads is not None and "path:/testbed/prog" in done.reads, done.reads
+
+    asyncio.run(main())
+
+
+FREE_SPACE = "python3 -c 'import os; print(os.fstatvfs(os.open(\"/testbed\", os.O_RDONLY)).f_bfree)'"
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_free_space_asked_of_a_descriptor_gives_no_read_set(tracer: str) -> None:
+    """fstatfs (fstatvfs, and gnulib's fts under find and grep -r) tells a sandbox's free space, which any write
+    anywhere in it changes, as statfs does: two sandboxes whose digests of what the command named all match print
+    different numbers once one of them wrote a file elsewhere."""
+
+    async def main() -> None:
+        with tree({"a.txt": "A\n"}) as base:
+            async with factory(base, tracer) as boxes:
+                await uses(boxes, tracer)
+                first, second = await boxes.create(), await boxes.create()
+                assert (await execute(second, bash("head -c 4000000 /dev/zero > /tmp/big"))).changed
+                done, other = await execute(first, bash(FREE_SPACE)), await execute(second, bash(FREE_SPACE))
+                assert done.output["exit_code"] == 0 and done.output != other.output
+                assert done.reads is None, sorted(k for k in done.reads if "testbed" in k or "tmp" in k)
 
     asyncio.run(main())
 

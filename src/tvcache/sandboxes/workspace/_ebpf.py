@@ -107,6 +107,7 @@ _HAZARDS = [
     "pidfd_getfd",
     "quotactl",
     "swapon",
+    "fstatfs",  # free space, as statfs's (whatever it found: a failed one is rare)
     "acct",
     # Newer calls that take a path (or read file state) which neither tracer resolves: hazards, whatever they found.
     "fchmodat2",

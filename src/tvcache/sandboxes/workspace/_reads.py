@@ -61,9 +61,9 @@ __all__ = [
     "strace_argv",
 ]
 
-#: The system calls traced: everything that takes a path, listings, the working directory, processes
+#: The system calls traced: everything that takes a path, listings, free space, the working directory, processes
 #: (for the working directory a child inherits), the shell's exit (the trace's completeness), sockets.
-_TRACED = "%file,getdents64,getdents,fchdir,exit_group,clone,clone3,fork,vfork,connect,bind"
+_TRACED = "%file,fstatfs,getdents64,getdents,fchdir,exit_group,clone,clone3,fork,vfork,connect,bind"
 #: Devices and kernel files whose reads are the same in every sandbox: tty (no sandbox has a controlling terminal,
 #: so opening it always fails) and /proc/filesystems (the filesystems this kernel knows, which `ls` reads).
 _PURE = frozenset({"/dev/null", "/dev/zero", "/dev/full", "/dev/tty", "/proc/filesystems"})
@@ -273,7 +273,7 @@ def _one(trace: Trace, cwd: dict[int, str], pid: int, name: str, args: list[str]
     if name in _UNSOUND:
         trace.unsound(f"{name} (not described by file digests)")
         return
-    if name in ("statfs", "statfs64") and ok:
+    if name in ("statfs", "statfs64", "fstatfs", "fstatfs64") and ok:
         trace.unsound("statfs (free space is not described by file digests)")
         return
     if name == "connect":
