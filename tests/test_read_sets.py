@@ -727,6 +727,41 @@ def test_the_interpreter_of_a_program_run_from_a_descriptor_is_in_the_read_set(t
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(
+    ("command", "output", "reusable"),
+    [
+        ("/testbed/s", "/testbed/i /testbed/s\n", True),  # s's interpreter i is a script whose interpreter is tool
+        ("exec 3</testbed/i; /proc/self/fd/3", "/proc/self/fd/3\n", False),  # run through a magic link
+        ("cd /testbed && ./r", "./r\n", False),  # an interpreter named from the working directory
+    ],
+)
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_every_interpreter_the_kernel_runs_is_in_the_read_set(
+    command: str, output: str, reusable: bool, tracer: str
+) -> None:
+    """The kernel runs a script's `#!` interpreter, which may be a script in turn (up to four deep), and an ELF
+    file's loader, all without a call of the process: the read set names each (the digests once stopped at the
+    first interpreter), or there is none (a program run as /proc/self/fd/N, whose file the digests do not know).
+    The last interpreter is a symlink to echo; a state where it points to `true` prints nothing."""
+
+    async def main() -> None:
+        scripts = {"s": "#!/testbed/i\n", "i": "#!/testbed/tool\n", "r": "#!tool\n"}
+        with tree(scripts, {"tool": "/usr/bin/echo"}) as base:
+            for name in scripts:
+                os.chmod(base / name, 0o755)
+            async with factory(base, tracer) as boxes:
+                await uses(boxes, tracer)
+                box = await boxes.create()
+                done = await execute(box, bash(command))
+                assert done.output == {"output": output, "exit_code": 0}
+                if reusable:
+                    assert done.reads is not None and "path:/testbed/tool" in done.reads, sorted(done.reads)
+                else:
+                    assert done.reads is None, sorted(done.reads)
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("tracer", TRACERS)
 def test_a_working_directory_reached_through_a_symlink_and_dotdot_is_where_the_kernel_went(tracer: str) -> None:
     """chdir("l/..") through a symlink l -> real/sub ends in real, not next to l: `..` is the parent of where the

@@ -81,6 +81,8 @@ _OWN_PROC = re.compile(
 _STRACE_PATHS = ("/usr/bin/strace", "/bin/strace", "/usr/local/bin/strace")
 _BASH_PATHS = ("/bin/bash", "/usr/bin/bash", "/usr/local/bin/bash")
 _MAX_SYMLINKS = 40
+#: Programs the kernel runs for one exec: up to four `#!` interpreters (BINPRM_MAX_RECURSION), then an ELF loader.
+_MAX_INTERPRETERS = 5
 #: Canonical paths hold no symlink: one found on the way means the path is not there as such.
 _CANONICAL = RESOLVE_IN_ROOT | 0x04  # RESOLVE_NO_SYMLINKS
 _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
@@ -390,6 +392,8 @@ class Digester:
             cache.clear()
         self._rfd = _open_root(root)
         self.keys: dict[str, str] = {}
+        #: Why the reads cannot all be placed (a relative `#!` interpreter, found from a directory not known here).
+        self.unplaced: str | None = None
         self._resolved: dict[tuple[str, bool, bool], str | None] = {}
         self._stats: dict[str, os.stat_result | None] = {}
 
@@ -592,7 +596,9 @@ class Digester:
             self.keys, self._resolved = {}, {}
             try:
                 self._read(path, how)
-                found = self._known[(path, how)] = tuple(self.keys.items())
+                found = tuple(self.keys.items())
+                if self.unplaced is None:
+                    self._known[(path, how)] = found
             finally:
                 self.keys, self._resolved = outer
         self.keys.update(found)
@@ -605,9 +611,16 @@ class Digester:
         if how == LIST:
             self.listing(canonical)
         elif how == EXEC:
-            interpreter = self._interpreter(canonical)
-            if interpreter is not None:
-                self.resolve(interpreter, follow=True)
+            # An interpreter may be a script in turn, and an ELF interpreter has a loader: each is the kernel's read.
+            program: str | None = canonical
+            for _ in range(_MAX_INTERPRETERS):
+                interpreter = None if program is None else self._interpreter(program)
+                if interpreter is None:
+                    break
+                if not interpreter.startswith("/"):
+                    self.unplaced = f"{path} names its interpreter {interpreter!r} from the working directory"
+                    break
+                program = self.resolve(interpreter, follow=True)
 
     def _interpreter(self, path: str) -> str | None:
         """What the kernel reads to run `path` without a system call of the process: a script's `#!`
@@ -698,9 +711,13 @@ def read_set(
     with Digester(root, cache, known) as digests:
         for path, hows in trace.reads.items():
             if _OWN_PROC.match(posixpath.normpath(path)):
+                if EXEC in hows:  # /proc/self/fd/N: a file the digests know by another name, if at all
+                    return None, f"a program run as {path}"
                 continue
             for how in sorted(hows):
                 digests.read(path, how)
+        if digests.unplaced is not None:
+            return None, digests.unplaced
         for key in digests.keys:
             # A symlink into /proc or /dev: resolved here, in the sandbox's files, where both are empty directories
             # and say nothing of what the process found there (the machine's state, a device).
