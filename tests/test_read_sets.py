@@ -763,6 +763,24 @@ def test_every_interpreter_the_kernel_runs_is_in_the_read_set(
 
 
 @pytest.mark.parametrize("tracer", TRACERS)
+def test_a_trailing_slash_follows_a_symlink_even_without_following(tracer: str) -> None:
+    """`stat` looks at a path without following a final symlink, but a trailing slash makes the kernel follow it:
+    `stat /testbed/l/` prints the mode of the directory l points to, which must be in the read set (it once held
+    only the link's own key, so a state with another mode there matched)."""
+
+    async def main() -> None:
+        with tree({"d/x": "x"}, {"l": "d"}) as base:
+            async with factory(base, tracer) as boxes:
+                await uses(boxes, tracer)
+                box = await boxes.create()
+                done = await execute(box, bash("stat -c %a /testbed/l/"))
+                assert done.output == {"output": "755\n", "exit_code": 0}
+                assert done.reads is not None and "path:/testbed/d" in done.reads, sorted(done.reads)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
 def test_a_working_directory_reached_through_a_symlink_and_dotdot_is_where_the_kernel_went(tracer: str) -> None:
     """chdir("l/..") through a symlink l -> real/sub ends in real, not next to l: `..` is the parent of where the
     link led. A relative path without a directory descriptor (access, readlink) then starts there (strace once
@@ -860,6 +878,7 @@ def test_a_listing_is_in_the_directorys_own_order() -> None:
         "python3 -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 0))'",  # a socket
         "df /testbed >/dev/null",  # free space (statfs)
         "cat /proc/self/mountinfo /proc/self/cgroup >/dev/null",  # the sandbox's own mounts and group, by name
+        "cat /proc/self/fdinfo/0 >/dev/null",  # a descriptor's mount id (another in each sandbox)
         # a watch of a file (what it reports later is not described by file digests)
         "python3 -c 'import ctypes; c = ctypes.CDLL(None); "
         'assert c.inotify_add_watch(c.inotify_init(), b"/testbed/a.txt", 2) > 0\'',

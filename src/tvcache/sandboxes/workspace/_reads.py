@@ -72,10 +72,11 @@ _PURE = frozenset({"/dev/null", "/dev/zero", "/dev/full", "/dev/tty", "/proc/fil
 #: (their reads are traced) and the kernel's random choices (addresses, pipe numbers), which an uncached run
 #: would not repeat either. Every other /proc file shows the machine (load, memory, uptime): not reusable.
 #: Not below `root`, `cwd`, `exe`, `map_files` or a descriptor: those lead back into the sandbox's files. Not the
-#: mounts or the cgroup either: they name the sandbox's own directories and group, another in each sandbox.
+#: mounts, the cgroup or `fdinfo` either: they name the sandbox's own directories, group and mount ids, another in
+#: each sandbox.
 _OWN_PROC = re.compile(
     r"^/proc(/(self|thread-self|\d+)(/task/\d+)?"
-    r"(/(?!(root|cwd|exe|map_files|mounts|mountinfo|mountstats|cgroup)(/|$))[^/]+(/\d+)?)?)?$"
+    r"(/(?!(root|cwd|exe|map_files|mounts|mountinfo|mountstats|cgroup|fdinfo)(/|$))[^/]+(/\d+)?)?)?$"
 )
 #: Where strace is looked for inside the sandbox's root.
 _STRACE_PATHS = ("/usr/bin/strace", "/bin/strace", "/usr/local/bin/strace")
@@ -605,7 +606,8 @@ class Digester:
         return None
 
     def _read(self, path: str, how: str) -> None:
-        canonical = self.resolve(path, follow=how != NOFOLLOW, walk=how == WALK)
+        # A trailing slash makes the kernel follow a final symlink, lstat's and O_NOFOLLOW's too.
+        canonical = self.resolve(path, follow=how != NOFOLLOW or path.endswith("/"), walk=how == WALK)
         if canonical is None:
             return
         if how == LIST:
