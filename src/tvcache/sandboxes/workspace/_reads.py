@@ -684,6 +684,9 @@ def unsound_path(path: str) -> str | None:
     """Why reading `path` cannot be described by file digests, or None."""
     norm = posixpath.normpath(path)
     top = norm.split("/")[1] if norm.count("/") else ""
+    if top == "proc" and ".." in path.split("/"):
+        # `..` after a magic link (/proc/self/fd/3/..) is the parent of what it leads to, not of the link.
+        return f"a read of {path} (.. through /proc)"
     if norm in _PURE or _OWN_PROC.match(norm):
         return None
     if top == "proc":  # /sys is not mounted in the jail: its skeleton directory is part of the state
