@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -86,8 +87,8 @@ async def execute(box: Any, call: ToolCall) -> Outcome:
     return await settled(await box.execute(call))
 
 
-def factory(base: Path, tracer: str = "strace") -> WorkspaceSandboxes:
-    boxes = WorkspaceSandboxes(base, isolation=mode(), read_sets=True)  # type: ignore[arg-type]
+def factory(base: Path, tracer: str = "strace", network: bool = False) -> WorkspaceSandboxes:
+    boxes = WorkspaceSandboxes(base, isolation=mode(), read_sets=True, network=network)  # type: ignore[arg-type]
     boxes._use_ebpf = tracer == "ebpf"
     return boxes
 
@@ -760,6 +761,59 @@ def test_every_interpreter_the_kernel_runs_is_in_the_read_set(
                     assert done.reads is None, sorted(done.reads)
 
     asyncio.run(main())
+
+
+#: Asks a UDP server on loopback (the sandbox shares the machine's network) without connect: sendto and sendmsg.
+ASK = """import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(10)
+address = ("127.0.0.1", int(sys.argv[2]))
+s.sendto(b"?", address) if sys.argv[1] == "sendto" else s.sendmsg([b"?"], [], 0, address)
+print(s.recv(64).decode())
+"""
+
+
+@pytest.mark.parametrize("call", ["sendto", "sendmsg"])
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_a_datagram_sent_to_an_address_gives_no_read_set(call: str, tracer: str) -> None:
+    """With the machine's network (`network=True`), a datagram socket talks to the world with no connect or bind:
+    sendto (or sendmsg) with an address, then recv. The server's answer, another each time here, is no file
+    state. Sends without an address (a socket pair: asyncio's wake-up, multiprocessing) keep their read set."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+    server.settimeout(30)
+    port = server.getsockname()[1]
+
+    def answer() -> None:
+        with contextlib.suppress(OSError):
+            for n in range(2):
+                _, peer = server.recvfrom(64)
+                server.sendto(str(n).encode(), peer)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+
+    async def main() -> None:
+        with tree({"ask.py": ASK}) as base:
+            async with factory(base, tracer, network=True) as boxes:
+                await uses(boxes, tracer)
+                box = await boxes.create()
+                command = bash(f"python3 /testbed/ask.py {call} {port}")
+                done, again = await execute(box, command), await execute(box, command)
+                assert (done.output, again.output) == (
+                    {"output": "0\n", "exit_code": 0},
+                    {"output": "1\n", "exit_code": 0},
+                )
+                assert done.reads is None, sorted(k for k in done.reads if "testbed" in k)
+                pair = "import socket; a, b = socket.socketpair(); a.send(b'x'); a.sendmsg([b'y']); print(b.recv(2))"
+                paired = await execute(box, bash(f'python3 -c "{pair}"'))
+                assert paired.output == {"output": "b'xy'\n", "exit_code": 0} and paired.reads is not None
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.close()
+        thread.join()
 
 
 @pytest.mark.parametrize("tracer", TRACERS)

@@ -88,6 +88,9 @@ _PATH_CALLS: dict[str, tuple[int | None, int, int | None]] = {
     "statfs": (None, 0, None),
 }
 _FD_CALLS = ("getdents64", "getdents", "fchdir")
+#: Sends that are hazards when given an address (see reads.bpf.c): name -> (the argument, whether the address is
+#: the first field of the structure it points to).
+_SENDS = {"sendto": (4, False), "sendmsg": (1, True)}
 #: Calls the file digests cannot describe, or that escape the model of paths here, whatever their result.
 _HAZARDS = [
     "openat2",
@@ -108,6 +111,7 @@ _HAZARDS = [
     "quotactl",
     "swapon",
     "fstatfs",  # free space, as statfs's (whatever it found: a failed one is rare)
+    "sendmmsg",  # as sendto's and sendmsg's below, without looking for an address in each message
     "acct",
     # Newer calls that take a path (or read file state) which neither tracer resolves: hazards, whatever they found.
     "fchmodat2",
@@ -176,7 +180,7 @@ NOT_WATCHED = "the eBPF tracer could not watch the sandbox (its map of watched g
 
 #: Every name a record can carry, by its index (`struct call`'s); the last two are hazards the kernel side finds.
 _COMPAT, _NEWER = "a 32-bit system call", "a system call newer than this tracer"
-NAMES = [*_PATH_CALLS, "execve", *_FD_CALLS, *_HAZARDS, "connect", _COMPAT, _NEWER]
+NAMES = [*_PATH_CALLS, "execve", *_FD_CALLS, *_HAZARDS, "connect", *_SENDS, _COMPAT, _NEWER]
 #: System calls x86-64 names unlike their tracepoints (and this module).
 _NR_NAMES = {"newstat": "stat", "newlstat": "lstat", "umount": "umount2"}
 #: The numbers of calls newer than Debian 12's kernel headers: from 424 on, one numbering for every architecture.
@@ -202,7 +206,7 @@ _CONFIG = struct.Struct("<QQII")
 @functools.cache
 def _calls_h() -> str:
     """calls.h for reads.bpf.c: the table of traced system calls, by number (see `struct call` there)."""
-    kinds = {"path": 1, "fd": 2, "hazard": 3, "connect": 4, "execve": 5}
+    kinds = {"path": 1, "fd": 2, "hazard": 3, "connect": 4, "execve": 5, "send": 6}
     rows: list[tuple[str, int, int, int, int, int | None, int | None, int | None]] = []
     for name, (dfd, path, flags) in _PATH_CALLS.items():
         made = 1 if name in ("open", "openat", "creat") else 2 if name == "chdir" else 0
@@ -212,6 +216,7 @@ def _calls_h() -> str:
     rows += [(n, kinds["fd"], 2 if n == "fchdir" else 0, 0, NAMES.index(n), 0, None, None) for n in _FD_CALLS]
     rows += [(n, kinds["hazard"], 0, 0, NAMES.index(n), None, None, None) for n in _HAZARDS]
     rows.append(("connect", kinds["connect"], 0, 0, NAMES.index("connect"), None, None, None))
+    rows += [(n, kinds["send"], int(deref), 0, NAMES.index(n), None, at, None) for n, (at, deref) in _SENDS.items()]
     out = ["// Written by _ebpf.py: which system calls the tracer traces, and where their arguments are."]
     out += [f"#ifndef __NR_{n}\n#define __NR_{n} {nr}\n#endif" for n, nr in _UNIFIED.items()]
     out += [

@@ -62,8 +62,11 @@ __all__ = [
 ]
 
 #: The system calls traced: everything that takes a path, listings, free space, the working directory, processes
-#: (for the working directory a child inherits), the shell's exit (the trace's completeness), sockets.
-_TRACED = "%file,fstatfs,getdents64,getdents,fchdir,exit_group,clone,clone3,fork,vfork,connect,bind"
+#: (for the working directory a child inherits), the shell's exit (the trace's completeness), sockets, and sends
+#: (one to an address talks to the world without a connect; sendmsg's structure is decoded to see its address).
+_TRACED = (
+    "%file,fstatfs,getdents64,getdents,fchdir,exit_group,clone,clone3,fork,vfork,connect,bind,sendto,sendmsg,sendmmsg"
+)
 #: Devices and kernel files whose reads are the same in every sandbox: tty (no sandbox has a controlling terminal,
 #: so opening it always fails) and /proc/filesystems (the filesystems this kernel knows, which `ls` reads).
 _PURE = frozenset({"/dev/null", "/dev/zero", "/dev/full", "/dev/tty", "/proc/filesystems"})
@@ -101,7 +104,7 @@ def strace_argv(strace: str, bash: str, fd: int) -> list[str]:
     return [
         strace,
         *("-D", "-f", "--seccomp-bpf", "-qq", "-y", "-xx"),
-        *("-e", "signal=none", "-e", "verbose=connect", "-e", f"trace={_TRACED}"),
+        *("-e", "signal=none", "-e", "verbose=connect,sendmsg", "-e", f"trace={_TRACED}"),
         *("-o", f"/proc/self/fd/{fd}", "--", bash),
     ]
 
@@ -278,6 +281,14 @@ def _one(trace: Trace, cwd: dict[int, str], pid: int, name: str, args: list[str]
         return
     if name in ("statfs", "statfs64", "fstatfs", "fstatfs64") and ok:
         trace.unsound("statfs (free space is not described by file digests)")
+        return
+    if name in ("sendto", "sendmsg", "sendmmsg"):
+        # Sent to an address: talks to whatever is there, with no connect (a datagram socket). A send on a
+        # connected socket or a pair has none (sendto's fifth argument NULL, sendmsg's msg_name absent or NULL).
+        joined = ", ".join(args)
+        named = "msg_name=" in joined and "msg_name=NULL" not in joined
+        if name == "sendmmsg" or (name == "sendto" and (len(args) < 5 or args[4] != "NULL")) or named:
+            trace.unsound(f"{name} to an address (not described by file digests)")
         return
     if name == "connect":
         # A failed connection to a Unix socket's path (glibc asking for nscd) probes that path; anything else

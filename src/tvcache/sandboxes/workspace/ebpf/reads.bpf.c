@@ -53,7 +53,7 @@ struct pt_regs {
 #define PATH_MAX 4096
 
 // How a call is traced (struct call's kind).
-enum { PATH_CALL = 1, FD_CALL, HAZARD, CONNECT, EXECVE };
+enum { PATH_CALL = 1, FD_CALL, HAZARD, CONNECT, EXECVE, SEND };
 // What a call made that later relative paths start from (struct call's made).
 enum { MADE_FD = 1, MADE_PWD };
 // What a record is (struct record's kind); the marker calls' ops (see _ebpf.py).
@@ -316,6 +316,17 @@ int enter(struct bpf_raw_tracepoint_args *ctx)
 	}
 	if (c->kind == HAZARD) {
 		hazard(c->index, 0);
+		return 0;
+	}
+	if (c->kind == SEND) {
+		// A message sent to an address talks to whatever is there, with no connect: a hazard. One on a connected
+		// socket or a pair (no address) is not. `made`: the address is the first field of what `path` points
+		// to (sendmsg's msghdr); one that cannot be read counts as given.
+		__u64 address = arg(regs, c->path);
+		if (c->made && address && bpf_probe_read_user(&address, sizeof(address), (void *)address) < 0)
+			address = 1;
+		if (address)
+			hazard(c->index, 0);
 		return 0;
 	}
 	if (c->kind == EXECVE) {
