@@ -25,7 +25,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,27 @@ def unwatched_window(tracer: _ebpf.Tracer, group: int) -> _ebpf.Window:
     with tracer._lock:
         tracer._windows[group] = window
     return window
+
+
+def run_once(
+    tracer: str,
+    command: str,
+    files: dict[str, str],
+    links: dict[str, str] | None = None,
+    prepare: Callable[[Path], object] | None = None,
+) -> Outcome:
+    """The outcome of `command`, with its read set, run by a new sandbox of a factory traced by `tracer` over `files`
+    and `links` (`prepare(base)` first, for what `tree` cannot make: modes, binaries)."""
+
+    async def main() -> Outcome:
+        with tree(files, links) as base:
+            if prepare is not None:
+                prepare(base)
+            async with factory(base, tracer) as boxes:
+                await uses(boxes, tracer)
+                return await execute(await boxes.create(), bash(command))
+
+    return asyncio.run(main())
 
 
 def bash(command: str) -> ToolCall:
@@ -609,16 +630,9 @@ def test_a_file_opened_by_a_32_bit_system_call_is_never_left_out(tracer: str) ->
     if os.uname().machine != "x86_64":
         pytest.skip("int 0x80 is x86's")
 
-    async def main() -> None:
-        with tree({"a.txt": "A\n", "int80.py": INT80_OPEN}) as base:
-            async with factory(base, tracer) as boxes:
-                await uses(boxes, tracer)
-                box = await boxes.create()
-                done = await execute(box, bash("python3 /testbed/int80.py /testbed/a.txt"))
-                assert done.output == {"output": "3\n", "exit_code": 0}
-                assert done.reads is None or "path:/testbed/a.txt" in done.reads, sorted(done.reads)
-
-    asyncio.run(main())
+    done = run_once(tracer, "python3 /testbed/int80.py /testbed/a.txt", {"a.txt": "A\n", "int80.py": INT80_OPEN})
+    assert done.output == {"output": "3\n", "exit_code": 0}
+    assert done.reads is None or "path:/testbed/a.txt" in done.reads, sorted(done.reads)
 
 
 EXECVEAT = """import ctypes, sys
@@ -639,17 +653,15 @@ def test_a_program_started_by_execveat_is_in_the_read_set(tracer: str) -> None:
     if os.uname().machine != "x86_64":
         pytest.skip("the call's number is x86-64's")
 
-    async def main() -> None:
-        with tree({"execveat.py": EXECVEAT}) as base:
-            shutil.copy("/usr/bin/echo", base / "prog")  # a binary: no interpreter opens it again by its path
-            async with factory(base, tracer) as boxes:
-                await uses(boxes, tracer)
-                box = await boxes.create()
-                done = await execute(box, bash("python3 /testbed/execveat.py /testbed/prog"))
-                assert done.output == {"output": "ran\n", "exit_code": 0}
-                assert done.reads is not None and "path:/testbed/prog" in done.reads, done.reads
-
-    asyncio.run(main())
+    # A binary: no interpreter opens it again by its path.
+    done = run_once(
+        tracer,
+        "python3 /testbed/execveat.py /testbed/prog",
+        {"execveat.py": EXECVEAT},
+        prepare=lambda base: shutil.copy("/usr/bin/echo", base / "prog"),
+    )
+    assert done.output == {"output": "ran\n", "exit_code": 0}
+    assert done.reads is not None and "path:/testbed/prog" in done.reads, done.reads
 
 
 FREE_SPACE = "python3 -c 'import os; print(os.fstatvfs(os.open(\"/testbed\", os.O_RDONLY)).f_bfree)'"
@@ -715,17 +727,10 @@ def test_the_interpreter_of_a_program_run_from_a_descriptor_is_in_the_read_set(t
     script's `#!` interpreter (or an ELF file's loader) without a call of the process, as for execve. Here the
     interpreter is a symlink to echo; a state where it points to `true` prints nothing."""
 
-    async def main() -> None:
-        with tree({"fexecve.py": FEXECVE, "s": "#!/testbed/tool\n"}, {"tool": "/usr/bin/echo"}) as base:
-            os.chmod(base / "s", 0o755)
-            async with factory(base, tracer) as boxes:
-                await uses(boxes, tracer)
-                box = await boxes.create()
-                done = await execute(box, bash("python3 /testbed/fexecve.py /testbed/s"))
-                assert done.output == {"output": "/dev/fd/3\n", "exit_code": 0}
-                assert done.reads is not None and "path:/testbed/tool" in done.reads, sorted(done.reads)
-
-    asyncio.run(main())
+    files, links = {"fexecve.py": FEXECVE, "s": "#!/testbed/tool\n"}, {"tool": "/usr/bin/echo"}
+    done = run_once(tracer, "python3 /testbed/fexecve.py /testbed/s", files, links, lambda b: os.chmod(b / "s", 0o755))
+    assert done.output == {"output": "/dev/fd/3\n", "exit_code": 0}
+    assert done.reads is not None and "path:/testbed/tool" in done.reads, sorted(done.reads)
 
 
 @pytest.mark.parametrize(
@@ -745,22 +750,15 @@ def test_every_interpreter_the_kernel_runs_is_in_the_read_set(
     first interpreter), or there is none (a program run as /proc/self/fd/N, whose file the digests do not know).
     The last interpreter is a symlink to echo; a state where it points to `true` prints nothing."""
 
-    async def main() -> None:
-        scripts = {"s": "#!/testbed/i\n", "i": "#!/testbed/tool\n", "r": "#!tool\n"}
-        with tree(scripts, {"tool": "/usr/bin/echo"}) as base:
-            for name in scripts:
-                os.chmod(base / name, 0o755)
-            async with factory(base, tracer) as boxes:
-                await uses(boxes, tracer)
-                box = await boxes.create()
-                done = await execute(box, bash(command))
-                assert done.output == {"output": output, "exit_code": 0}
-                if reusable:
-                    assert done.reads is not None and "path:/testbed/tool" in done.reads, sorted(done.reads)
-                else:
-                    assert done.reads is None, sorted(done.reads)
-
-    asyncio.run(main())
+    scripts = {"s": "#!/testbed/i\n", "i": "#!/testbed/tool\n", "r": "#!tool\n"}
+    done = run_once(
+        tracer, command, scripts, {"tool": "/usr/bin/echo"}, lambda b: [os.chmod(b / name, 0o755) for name in scripts]
+    )
+    assert done.output == {"output": output, "exit_code": 0}
+    if reusable:
+        assert done.reads is not None and "path:/testbed/tool" in done.reads, sorted(done.reads)
+    else:
+        assert done.reads is None, sorted(done.reads)
 
 
 #: Asks a UDP server on loopback (the sandbox shares the machine's network) without connect: sendto and sendmsg.
@@ -822,16 +820,9 @@ def test_a_trailing_slash_follows_a_symlink_even_without_following(tracer: str) 
     `stat /testbed/l/` prints the mode of the directory l points to, which must be in the read set (it once held
     only the link's own key, so a state with another mode there matched)."""
 
-    async def main() -> None:
-        with tree({"d/x": "x"}, {"l": "d"}) as base:
-            async with factory(base, tracer) as boxes:
-                await uses(boxes, tracer)
-                box = await boxes.create()
-                done = await execute(box, bash("stat -c %a /testbed/l/"))
-                assert done.output == {"output": "755\n", "exit_code": 0}
-                assert done.reads is not None and "path:/testbed/d" in done.reads, sorted(done.reads)
-
-    asyncio.run(main())
+    done = run_once(tracer, "stat -c %a /testbed/l/", {"d/x": "x"}, {"l": "d"})
+    assert done.output == {"output": "755\n", "exit_code": 0}
+    assert done.reads is not None and "path:/testbed/d" in done.reads, sorted(done.reads)
 
 
 @pytest.mark.parametrize("tracer", TRACERS)
@@ -840,18 +831,11 @@ def test_a_working_directory_reached_through_a_symlink_and_dotdot_is_where_the_k
     link led. A relative path without a directory descriptor (access, readlink) then starts there (strace once
     took the text's normalised form, /testbed, and recorded /testbed/x for a read of /testbed/real/x)."""
 
-    async def main() -> None:
-        files = {"x": "top\n", "real/x": "real\n", "real/sub/y": ""}
-        with tree(files, {"l": "real/sub"}) as base:
-            async with factory(base, tracer) as boxes:
-                await uses(boxes, tracer)
-                box = await boxes.create()
-                script = "import os; os.chdir('/testbed/l/..'); print(os.access('x', 0), os.readlink('../l'))"
-                done = await execute(box, bash(f'python3 -c "{script}"'))
-                assert done.output == {"output": "True real/sub\n", "exit_code": 0}
-                assert done.reads is not None and "path:/testbed/real/x" in done.reads, sorted(done.reads)
-
-    asyncio.run(main())
+    files = {"x": "top\n", "real/x": "real\n", "real/sub/y": ""}
+    script = "import os; os.chdir('/testbed/l/..'); print(os.access('x', 0), os.readlink('../l'))"
+    done = run_once(tracer, f'python3 -c "{script}"', files, {"l": "real/sub"})
+    assert done.output == {"output": "True real/sub\n", "exit_code": 0}
+    assert done.reads is not None and "path:/testbed/real/x" in done.reads, sorted(done.reads)
 
 
 def _event(name: str, path: bytes, result: int = 0, flags: int = 0, base: str = "1:2", made: str = "") -> _ebpf.Event:
