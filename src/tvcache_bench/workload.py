@@ -161,18 +161,11 @@ def _both(first: Callable[[], Awaitable[None]], then: Callable[[], Awaitable[Non
 
 def _check_read_sets(sandbox: str, setup: str | None) -> None:
     """ValueError unless `--read-sets` means something for this sandbox kind."""
-    if sandbox == "sqlite":
-        raise ValueError(
-            "--read-sets applies to --sandbox workspace: SQLite sandboxes always tell what a query read (through "
-            "the authorizer), so tvcache reuses by it without the option"
-        )
-    if sandbox.startswith("python:"):
-        raise ValueError(
-            "--read-sets applies to --sandbox workspace: a python: factory decides itself whether its sandboxes "
-            "tell what a call read (e.g. WorkspaceSandboxes(..., read_sets=True))"
-        )
-    if sandbox == "docker":
-        raise ValueError("--read-sets applies to --sandbox workspace: Docker containers cannot tell what a call read")
+    from tvcache.server.factories import read_sets_refused  # the sandbox server refuses the same kinds
+
+    refused = read_sets_refused(sandbox)
+    if refused is not None:
+        raise ValueError(refused)
     if sandbox == "workspace" and setup:
         # SetupSandboxes starts from a snapshot whose digests no factory can tell (`BaseDigests`): the option
         # would silently reuse nothing by what a call read.

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..sandboxes.base import Sandboxes
 
-__all__ = ["KINDS", "open_sandboxes"]
+__all__ = ["KINDS", "open_sandboxes", "read_sets_refused"]
 
 KINDS = "workspace (--base DIR), sqlite (--base FILE), docker (--image IMAGE) or python:module:factory"
 
@@ -33,9 +33,9 @@ def open_sandboxes(
     read_sets: bool = False,
 ) -> Sandboxes:
     """The factory `kind` names; ValueError with a message for the command line when it cannot be made."""
-    why = _NO_READ_SETS.get(kind.split(":")[0]) if read_sets else None
-    if why is not None:
-        raise ValueError(f"--read-sets applies to --sandbox workspace, not {kind}: {why}")
+    refused = read_sets_refused(kind) if read_sets else None
+    if refused is not None:
+        raise ValueError(refused)
     if kind.startswith("python:"):
         return _python(kind, base)
     backends = {
@@ -71,6 +71,12 @@ _NO_READ_SETS = {
     "python": "a python: factory decides itself whether its sandboxes tell what a call read "
     "(e.g. WorkspaceSandboxes(..., read_sets=True))",
 }
+
+
+def read_sets_refused(kind: str) -> str | None:
+    """Why `--read-sets` means nothing for sandbox `kind` (a message for the command line), or None."""
+    why = _NO_READ_SETS.get(kind.split(":")[0])
+    return None if why is None else f"--read-sets applies to --sandbox workspace, not {kind}: {why}"
 
 
 def _python(spec: str, base: str | None) -> Sandboxes:
