@@ -127,6 +127,9 @@ def main(steps: int, cache: bool, rollouts: int = 4, tokens: int = 128) -> list[
             generation_kwargs={"eos_token_id": stop_tokens(tokenizer)},
             report_to="none",
             save_strategy="no",
+            # On by default in TRL; with only the last blocks learning it would make backpropagation run through
+            # (and recompute) every frozen block.
+            gradient_checkpointing=False,
         )
         trainer = GRPOTrainer(
             model=train_last_blocks(load_model(), 2),  # to fit a CPU: the last two blocks learn, the rest is frozen

@@ -497,6 +497,15 @@ def _degraded_once(what: str, why: str) -> None:
 _warned: set[tuple[str, str]] = set()
 
 
+@dataclass(frozen=True, slots=True)
+class _Watch:
+    """A command's eBPF window, open from the command's start until its events are collected or abandoned."""
+
+    tracer: _ebpf.Tracer
+    window: _ebpf.Window
+    group: str  # the command's group in the factory's tracing plan, told whether the run left the files alone
+
+
 class WorkspaceSandbox(ManagedSandbox):
     """One live sandbox; made by `WorkspaceSandboxes.create()` or `.restore()`."""
 
@@ -508,7 +517,7 @@ class WorkspaceSandbox(ManagedSandbox):
         self._state = state
         self._cgroup: SandboxCgroup | None = None
         self._netns: str | None = None
-        self._watch: tuple[_ebpf.Tracer, _ebpf.Window, str] | None = None  # and the command's group
+        self._watch: _Watch | None = None
         #: Keys of reads digested since the files last changed (see _reads.Digester): a new one at every change.
         self._known: _reads.Known = {}
 
@@ -553,14 +562,14 @@ class WorkspaceSandbox(ManagedSandbox):
         cgroup = self._made_cgroup() if ebpf is not None else None  # made first, to watch the command in it
         group = cgroup.id() if cgroup is not None else None
         if ebpf is not None and group is not None and (name := self._factory._plan.wanted(command)) is not None:
-            self._watch = (ebpf, ebpf.begin(group), name)
+            self._watch = _Watch(ebpf, ebpf.begin(group), name)
         return await self._run(command)
 
     def _unwatch(self) -> None:
         """Abandon the command's window, if still open (see `_run_watched`)."""
         watch, self._watch = self._watch, None
         if watch is not None:
-            watch[0].abandon(watch[1])
+            watch.tracer.abandon(watch.window)
 
     def _made_cgroup(self) -> SandboxCgroup | None:
         if self._cgroup is None:
@@ -645,10 +654,10 @@ class WorkspaceSandbox(ManagedSandbox):
         if call.tool == "bash" and self._factory._ebpf is not None:
             watch = self._watch
             if watch is not None:
-                self._factory._plan.traced(watch[2], useful=not files_changed)
+                self._factory._plan.traced(watch.group, useful=not files_changed)
             if watch is not None and not files_changed:  # else `execute` abandons it: its events are not wanted
                 self._watch = None
-                later = _ebpf.read_set, (*watch[:2], root, cache, known)
+                later = _ebpf.read_set, (watch.tracer, watch.window, root, cache, known)
         elif call.tool == "bash" and self._factory._tracer is not None:
             parsed = None if trace is None else await asyncio.to_thread(_reads.parse_trace, trace)
             if not (parsed.complete if parsed is not None else _reads.shell_ended(tail)):

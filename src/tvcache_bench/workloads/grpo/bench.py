@@ -128,6 +128,9 @@ def train(
             report_to="none",
             save_strategy="no",
             disable_tqdm=True,
+            # TRL turns it on by default, and with it transformers makes the inputs require gradients: backpropagation
+            # then runs through every frozen block (and recomputes each), not only the trained ones.
+            gradient_checkpointing=False,
         )
         try:
             example = Database(databases["chinook"], SQL_TIMEOUT).sql(EXAMPLE_QUERY)
