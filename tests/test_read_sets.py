@@ -372,6 +372,39 @@ def test_lost_ebpf_events_give_no_read_set() -> None:
     asyncio.run(main())
 
 
+def bpf_links() -> int:
+    """How many eBPF links (attached programs) this process holds: the tracer's run at every system call made on the
+    machine while they are there."""
+    fds = Path("/proc/self/fd")
+    return sum(os.readlink(fds / fd) == "anon_inode:bpf_link" for fd in os.listdir(fds) if (fds / fd).exists())
+
+
+@NO_EBPF
+def test_the_tracer_is_detached_when_the_last_factory_tracing_with_it_closes() -> None:
+    async def main() -> None:
+        before = bpf_links()
+        with tree({"a.txt": "A\n"}) as base:
+            async with factory(base, "ebpf") as first:
+                await uses(first, "ebpf")
+                async with factory(base, "ebpf") as second:
+                    await uses(second, "ebpf")
+                    tracer = first._ebpf
+                    assert tracer is not None and second._ebpf is tracer  # one tracer per process
+                    assert bpf_links() > before
+                assert not tracer.ended and bpf_links() > before  # the first factory still traces with it
+                box = await first.create()
+                assert (await execute(box, bash("cat a.txt"))).reads is not None
+            assert tracer.ended and bpf_links() == before
+            async with factory(base, "ebpf") as third:  # attached again
+                await uses(third, "ebpf")
+                assert third._ebpf is not tracer and bpf_links() > before
+                box = await third.create()
+                assert (await execute(box, bash("cat a.txt"))).reads is not None
+            assert bpf_links() == before
+
+    asyncio.run(main())
+
+
 @NO_EBPF
 def test_a_probe_right_before_the_exit_is_in_the_read_set() -> None:
     """The last system call of a command (a probe of a missing file, then the process exits: no shell, no trap after

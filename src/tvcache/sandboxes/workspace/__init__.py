@@ -67,6 +67,7 @@ import hashlib
 import itertools
 import logging
 import os
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -326,6 +327,7 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         self._tracer: tuple[str, str] | None = None
         #: The eBPF tracer, used instead of strace where it works (see _ebpf).
         self._ebpf: _ebpf.Tracer | None = None
+        self._ebpf_release: Callable[[], object] = lambda: None
         #: Which commands the eBPF tracer watches (strace traces all: an untraced command's PIDs would differ).
         self._plan = TracingPlan()
         self._digest_cache: dict[tuple[int, ...], str] = {}
@@ -378,6 +380,10 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         if snap is not None:
             await self._ctx.isolation.remove(self._ctx.isolation.release(snap))
 
+    async def _close(self) -> None:
+        self._ebpf = None
+        await asyncio.to_thread(self._ebpf_release)  # the last holder's detaches the tracer (joins its thread)
+
     @classmethod
     async def from_image(cls, image: str | os.PathLike[str], **options: Any) -> WorkspaceSandboxes:
         """Sandboxes whose root filesystem is a Docker or OCI image's own layers, started with its Env and
@@ -424,12 +430,15 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         core = box._cgroup.core if box._cgroup is not None else None
         if self._use_ebpf and _ebpf.available() and core is not None:
             try:
-                self._ebpf = await asyncio.to_thread(_ebpf.shared)
+                self._ebpf = await asyncio.to_thread(_ebpf.hold)
+                # Given back when the factory closes or is collected, so that its programs leave the machine.
+                self._ebpf_release = weakref.finalize(self, _ebpf.release, self._ebpf)
                 if (await settled(await box.execute(ToolCall("bash", {"command": ":"})))).reads is not None:
                     return None
             except OSError as exc:
                 log.debug("no eBPF tracer: %s", exc)
             self._ebpf = None
+            self._ebpf_release()
         found = await asyncio.to_thread(_reads.find_strace, box.root)
         why = "no strace in the sandbox's root (apt-get install strace)"
         if found is not None:

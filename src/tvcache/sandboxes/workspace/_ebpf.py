@@ -35,7 +35,7 @@ from ..._owner import forks, inherited
 from . import _bpf, _reads
 from ._reads import EXEC, FOLLOW, LIST, MARK, NOFOLLOW, WALK, Digester, Known, Trace
 
-__all__ = ["NOT_WATCHED", "Event", "Tracer", "Window", "available", "shared", "to_trace"]
+__all__ = ["NOT_WATCHED", "Event", "Tracer", "Window", "available", "hold", "release", "to_trace"]
 
 #: name: (directory fd argument, path argument, flags argument), by position (None: the call has none).
 _PATH_CALLS: dict[str, tuple[int | None, int, int | None]] = {
@@ -281,16 +281,34 @@ class Window:
 
 log = logging.getLogger("tvcache")
 _shared: Tracer | None = None
+_holders = 0  # of `_shared`
 _shared_lock = threading.Lock()
 
 
-def shared() -> Tracer:
-    """This process's tracer, built and started on first use, and kept for the process's life."""
-    global _shared
+def hold() -> Tracer:
+    """This process's tracer, attached on first use; `release` it when done. While attached, its programs run at
+    every system call of every process on the machine (about 250 ns each, measured with `getppid`), watched or
+    not, so the last release detaches it, and the next `hold` attaches it again (about 90 ms)."""
+    global _shared, _holders
     with _shared_lock:
         if _shared is None or _shared.ended or _shared.inherited:  # a forked child makes its own
-            _shared = Tracer()
+            _shared, _holders = Tracer(), 0
+        _holders += 1
         return _shared
+
+
+def release(tracer: Tracer) -> None:
+    """Give back what `hold` gave: the last holder's release detaches the tracer. A tracer no longer this process's
+    own (detached, or a forked child's copy of its parent's) is left alone."""
+    global _shared, _holders
+    with _shared_lock:
+        if tracer is not _shared:
+            return
+        _holders -= 1
+        if _holders > 0:
+            return
+        _shared = None
+    tracer.close()
 
 
 class Tracer:
