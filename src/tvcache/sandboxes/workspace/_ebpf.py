@@ -287,7 +287,7 @@ _shared_lock = threading.Lock()
 
 def hold() -> Tracer:
     """This process's tracer, attached on first use; `release` it when done. While attached, its programs run at
-    every system call of every process on the machine (about 250 ns each, measured with `getppid`), watched or
+    every system call of every process on the machine (about 220 ns each, measured with `getppid`), watched or
     not, so the last release detaches it, and the next `hold` attaches it again (about 90 ms)."""
     global _shared, _holders
     with _shared_lock:
