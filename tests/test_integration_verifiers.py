@@ -53,7 +53,8 @@ PLANS = [
     [[bash("echo out1; echo err1 >&2; echo out2; exit 3")]],  # the harness shows stdout, then stderr; ends as plan 1
     [[bash("printf 'a\\r\\nb\\rc'; printf '\\xff' >&2")]],  # universal newlines; stderr that is not UTF-8
 ]
-FINAL_STATES = 4  # fixed, untouched, underscored, removed
+#: The state each plan ends in (fixed, untouched, underscored, removed): the ones that end alike are scored alike.
+FINAL_STATE = [0, 1, 0, 1, 0, 1, 6, 7, 1, 1]
 
 
 def tool_results(trace: Any) -> list[str]:
@@ -92,7 +93,11 @@ def test_verifiers_rollouts_through_tvcache_match_verifiers_alone_and_hit_later(
         calls = sum(t.metrics["tvcache_calls"] for t in traces)
         hits = sum(t.metrics["tvcache_hits"] for t in traces)
         if epoch == 0:
-            assert len(graded_here) == FINAL_STATES  # rollouts that end in the same state are graded once
+            # Rollouts that end in the same state are scored once: each scoring call (writing the hidden test,
+            # running it) executes once per final state, though which rollout of a state runs which call is a race.
+            executed = sum(t.metrics["tvcache_scoring_calls"] - t.metrics["tvcache_scoring_hits"] for t in traces)
+            per_state = {FINAL_STATE[k]: t.metrics["tvcache_scoring_calls"] for k, t in by_plan.items()}
+            assert len(per_state) == 4 and executed == sum(per_state.values())
             assert 0 < hits < calls
         else:
             assert not graded_here and hits == calls  # every call of the second epoch, setup to reward, hits
