@@ -121,7 +121,7 @@ async def load_workload(
     has its own scope in the cache, and every rollout starts from the factory's base state). `read_sets`: see
     the module docstring."""
     if read_sets:
-        _check_read_sets(sandbox, setup)
+        _check_read_sets(sandbox, setup)  # before the traces are read, as sandboxes_from_spec would after
     traces = first_tasks(read_traces(traces_path), tasks)
     if not traces:
         raise ValueError(f"{traces_path} holds no rollouts")
@@ -170,6 +170,8 @@ def _check_read_sets(sandbox: str, setup: str | None) -> None:
         # SetupSandboxes starts from a snapshot whose digests no factory can tell (`BaseDigests`): the option
         # would silently reuse nothing by what a call read.
         raise ValueError("--read-sets does not work with --setup yet: bake the setup into --base or --image instead")
+    if sandbox != "workspace":
+        raise ValueError(f"--read-sets applies to --sandbox workspace, not {sandbox!r}")
 
 
 async def sandboxes_from_spec(
@@ -185,8 +187,8 @@ async def sandboxes_from_spec(
     what its commands read."""
     if image is not None and spec not in ("workspace", "docker"):
         raise ValueError(f"--image applies to --sandbox workspace or docker, not {spec!r}")
-    if read_sets and spec != "workspace":
-        raise ValueError(f"--read-sets applies to --sandbox workspace, not {spec!r}")
+    if read_sets:
+        _check_read_sets(spec, setup)
     if spec == "docker":
         return await _docker(base, image, setup, timeout)
     if spec == "sqlite":
