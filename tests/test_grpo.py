@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ pytest.importorskip("trl", reason="needs TRL (pip install 'tvcache[grpo]')")
 pytest.importorskip("gguf", reason="needs gguf (pip install 'tvcache[grpo]')")
 
 from tvcache_bench.workloads.grpo import bench, model
-from tvcache_bench.workloads.grpo.env import grade
+from tvcache_bench.workloads.grpo.env import Database, grade
+from tvcache_bench.workloads.grpo.tasks import database_path
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,19 @@ def test_reward_scheme() -> None:
     assert grade(["Error: no such table: x"], run_gold) == 0.0 and not gold
     assert grade(["n\n3503"], run_gold) == 1.0  # the header may differ
     assert grade(["count(*)\n    3503", "count(*)\n       1"], run_gold) == 0.0  # the last statement is the answer
+
+
+def test_a_database_copies_with_its_content_and_its_refusals() -> None:
+    # With tvcache, TRL's reset copies a rollout's state back into the environment by pickling; sqlite3's deserialize
+    # runs an ATTACH, which the copy's authorizer used to refuse ("not authorized", at the 10-step run's second step).
+    db = Database(database_path("chinook"), 10.0)
+    assert db.sql("UPDATE Artist SET Name = 'x' WHERE ArtistId = 1") == "OK, 1 row affected"
+    copy = pickle.loads(pickle.dumps(db))
+    assert copy.sql("SELECT Name FROM Artist WHERE ArtistId <= 2") == db.sql(
+        "SELECT Name FROM Artist WHERE ArtistId <= 2"
+    )
+    assert copy.sql("CREATE TEMP TABLE t (a)") == "Error: not authorized"
+    assert copy.sql("ATTACH ':memory:' AS other") == "Error: not authorized"
 
 
 def test_tool_format_round_trip() -> None:

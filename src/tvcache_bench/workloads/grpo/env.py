@@ -46,29 +46,32 @@ _REFUSED = {
 }
 
 
+def _connect(fill: Callable[[sqlite3.Connection], None]) -> sqlite3.Connection:
+    """A new in-memory database, filled by `fill` before the authorizer is set: `deserialize` runs an ATTACH of its
+    own, which the authorizer refuses."""
+    db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+    fill(db)
+    db.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action in _REFUSED else sqlite3.SQLITE_OK)
+    return db
+
+
 class Database:
     """A private in-memory copy of a SQLite file; pickles (and so copies) as its content."""
 
     def __init__(self, path: Path | str, timeout: float) -> None:
         self.timeout = timeout
-        self._open()
         source = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
-            source.backup(self._db)
+            self._db = _connect(lambda db: source.backup(db))
         finally:
             source.close()
-
-    def _open(self) -> None:
-        self._db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
-        self._db.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action in _REFUSED else sqlite3.SQLITE_OK)
 
     def __getstate__(self) -> tuple[float, bytes]:
         return self.timeout, self._db.serialize()
 
     def __setstate__(self, state: tuple[float, bytes]) -> None:
         self.timeout, content = state
-        self._open()
-        self._db.deserialize(content)
+        self._db = _connect(lambda db: db.deserialize(content))
 
     def sql(self, query: str) -> str:
         deadline = time.monotonic() + self.timeout
