@@ -295,6 +295,42 @@ def test_state_that_cannot_be_copied_is_a_clear_error_at_reset() -> None:
             env.reset(task="t")
 
 
+class Sealed:
+    """Pickles, but does not unpickle: as a sqlite3 connection whose authorizer refuses deserialize()'s ATTACH."""
+
+    def __init__(self) -> None:
+        self.handle = 1  # pickle calls __setstate__ only for a non-empty state
+
+    def __setstate__(self, state: Any) -> None:
+        raise RuntimeError("sealed")
+
+
+class Sealing:
+    def reset(self, **row: Any) -> None:
+        self.box: Sealed | None = None
+
+    def seal(self, why: str) -> str:
+        """Seal.
+
+        Args:
+            why: The reason.
+        """
+        self.box = Sealed()
+        return why
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def test_state_that_cannot_be_copied_back_is_a_clear_error_where_it_is_read() -> None:
+    with tvcache.SyncToolCache() as cache:
+        env = cached_environment(Sealing, cache=cache)()
+        env.reset(task="t")
+        assert env.seal("x") == "x"
+        with pytest.raises(TypeError, match=r"back into Sealing's attributes .*RuntimeError: sealed.*__setstate__"):
+            env.get_reward()
+
+
 class AsyncBook:
     """An environment with async tool methods, which TRL awaits on its own event loop."""
 

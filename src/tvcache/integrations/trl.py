@@ -189,8 +189,17 @@ class _Episode:
                 assert isinstance(box, PythonSandbox)
                 return pickle.dumps(box.state, protocol=pickle.HIGHEST_PROTOCOL)
 
-        # Unpickled here, in the caller's thread: a handle the state holds (a sqlite3 connection) is used from it.
-        state: State = pickle.loads(asyncio.run_coroutine_threadsafe(pickled(), rollout.loop).result())
+        data = asyncio.run_coroutine_threadsafe(pickled(), rollout.loop).result()
+        try:
+            # Unpickled here, in the caller's thread: a handle the state holds (a sqlite3 connection) is used from it.
+            state: State = pickle.loads(data)
+        except Exception as exc:
+            raise TypeError(
+                f"cached_environment copies the rollout's state back into {self.cls.__qualname__}'s attributes by "
+                f"pickle, and it does not unpickle ({type(exc).__name__}: {exc}); __setstate__ must rebuild what "
+                "__getstate__ returned (a sqlite3 connection: deserialize() before set_authorizer(), as deserialize "
+                "runs an ATTACH)"
+            ) from exc
         attributes = env.__dict__
         attributes.clear()
         attributes.update(state)
