@@ -80,7 +80,9 @@ def _flat(run: Run) -> list[float]:
 
 
 def _ratio(before: float, after: float) -> str:
-    return f"{before / after:.2f}x less" if after > 0 else "-"
+    if before <= 0 or after <= 0:
+        return "-"
+    return f"{before / after:.2f}x less" if after <= before else f"{after / before:.2f}x more"
 
 
 def write_charts(runs: dict[str, Run], directory: str | Path) -> list[Path]:
