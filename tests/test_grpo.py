@@ -60,6 +60,12 @@ def test_a_different_reward_sequence_is_reported() -> None:
     assert not bench.identical({"none": a, "tvcache": b})
 
 
+def test_the_summary_line_says_more_or_less() -> None:
+    from tvcache_bench.workloads.grpo.report import _ratio
+
+    assert (_ratio(0.3, 0.1), _ratio(0.068, 0.292), _ratio(1.0, 0.0)) == ("3.00x less", "4.29x more", "-")
+
+
 def test_reward_scheme() -> None:
     gold: list[str] = []
 
