@@ -62,7 +62,7 @@ class Database:
         self.timeout = timeout
         source = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
-            self._db = _connect(lambda db: source.backup(db))
+            self._db = _connect(source.backup)
         finally:
             source.close()
 
