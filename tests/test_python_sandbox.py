@@ -7,13 +7,16 @@ the oracle the cache relies on: a fresh sandbox executing the same history.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tvcache
 from sandbox_oracle import check_snapshots_against_fresh_replay
 from tvcache import ToolCall
 from tvcache.sandboxes.base import Outcome, Output, Sandbox, SandboxError, Sandboxes
@@ -167,6 +170,57 @@ def test_deleted_and_unknown_snapshots_cannot_be_restored() -> None:
             await other.create()
 
     asyncio.run(main())
+
+
+class Sealed:
+    """A value whose pickled state does not load back (as a sqlite3 connection's authorizer can refuse the
+    ATTACH that `deserialize` runs): it pickles, so calls are observed, but no copy of it can be made."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raise RuntimeError("sealed")
+
+
+class SealedStore(Store):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sealed = Sealed()
+
+
+def run_slowly(store: Store, call: ToolCall) -> Output:
+    time.sleep(0.02)  # rebuilding a state by replay costs something, so the cache wants snapshots
+    return run_store(store, call)
+
+
+def test_a_state_that_cannot_be_copied_is_kept_live_and_never_snapshotted(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        factory = PythonSandboxes(SealedStore, run_store, "sealed-v1")
+        box = await factory.create()
+        await box.execute(call("set", key="x", value=1))
+        with pytest.raises(SandboxError, match=r"cannot snapshot a SealedStore: copy.deepcopy failed \(RuntimeError"):
+            await box.snapshot()
+        assert factory.snapshot_count == 0
+        assert (await box.execute(call("get", key="x"))).output == 1  # the sandbox is as it was, and answers
+
+        # Through the cache: rollouts that share a prefix, then diverge, so it tries to snapshot the shared state.
+        # It keeps the live sandbox (no rebuild by replay) and stops trying, and every answer is the oracle's.
+        plans = [[("set", "x", 1), ("set", "y", 2), ("set", "z", i), ("get", "z", 0)] for i in range(4)]
+        async with tvcache.ToolCache() as cache:
+            for plan in plans:
+                sandboxes = PythonSandboxes(SealedStore, run_slowly, "sealed-v1")
+                async with cache.rollout("t", sandboxes, tvcache.Tools(read_only=["get"])) as r:
+                    oracle = SealedStore()
+                    for tool, key, value in plan:
+                        args = {"key": key, "value": value} if tool == "set" else {"key": key}
+                        assert (await r.call(tool, args)).output == run_store(oracle, call(tool, **args))
+            assert cache.stats()["snapshots"] == 0
+
+    with caplog.at_level(logging.WARNING, logger="tvcache"):
+        asyncio.run(main())
+    assert "cannot snapshot a SealedStore" in caplog.text and "takes no more snapshots" in caplog.text
+    assert "rebuilt" not in caplog.text
 
 
 def test_exceptions_propagate_and_the_next_call_measures_afresh() -> None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ..calls import ToolCall
-from .base import Outcome, Output
+from .base import Outcome, Output, SandboxError
 from .lifecycle import ManagedSandbox, ManagedSandboxes
 
 __all__ = [
@@ -212,7 +212,18 @@ class PythonSandbox(ManagedSandbox, Generic[S]):
 
     async def snapshot(self) -> str:
         async with self._turn():
-            return self._factory._keep(copy.deepcopy(self._obj))
+            try:
+                copied = copy.deepcopy(self._obj)
+            except Exception as exc:
+                # A copy is made from the state, which stays as it was: the sandbox can go on answering (so a
+                # SandboxError, on which the cache keeps it and asks for no more snapshots), and the user learns
+                # which class refused. The usual cause: a __setstate__ that fails on its own pickled state.
+                raise SandboxError(
+                    f"cannot snapshot a {type(self._obj).__name__}: copy.deepcopy failed "
+                    f"({type(exc).__name__}: {exc}); its __deepcopy__, or __reduce__ and __setstate__, must rebuild "
+                    "the state from a copy"
+                ) from exc
+            return self._factory._keep(copied)
 
     async def _release(self) -> None:
         self._obj = None  # type: ignore[assignment]  # release the state; a closed sandbox refuses calls
