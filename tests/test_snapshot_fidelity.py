@@ -102,7 +102,7 @@ OPS = st.one_of(
 def shell(op: tuple[Any, ...]) -> str:
     """The bash command of one operation, run in /testbed; failures are part of its output."""
     kind, p, *rest = op
-    # Opening a FIFO to write would wait for a reader forever.
+    # Opening a FIFO would wait for the other end forever (to the command's timeout).
     parent = f"[ ! -p {p} ] && mkdir -p $(dirname {p})"
     match kind:
         case "write":
@@ -131,8 +131,8 @@ def shell(op: tuple[Any, ...]) -> str:
             return f"chown -h 1000:1000 {p}"
         case "xattr":
             return f"setfattr -h -n {rest[0]} -v v{len(p)} {p}"
-        case "setcap":
-            return f"setcap cap_net_raw+ep {p}"
+        case "setcap":  # setcap opens what it names: a FIFO would hold it to the command's timeout
+            return f"[ ! -p {p} ] && setcap cap_net_raw+ep {p}"
         case "sparse":
             return f"{parent} && truncate -s 3M {p} && printf x | dd of={p} bs=1 seek=1500000 conv=notrunc status=none"
         case "deep":
