@@ -102,13 +102,14 @@ OPS = st.one_of(
 def shell(op: tuple[Any, ...]) -> str:
     """The bash command of one operation, run in /testbed; failures are part of its output."""
     kind, p, *rest = op
-    # Opening a FIFO would wait for the other end forever (to the command's timeout).
-    parent = f"[ ! -p {p} ] && mkdir -p $(dirname {p})"
+    # Opening a FIFO waits for the other end (to the command's timeout): an op that opens `p` skips a FIFO.
+    not_fifo = f"[ ! -p {p} ]"
+    parent = f"{not_fifo} && mkdir -p $(dirname {p})"
     match kind:
         case "write":
             return f"{parent} && printf %s {rest[0]!r} > {p}"
         case "append":
-            return f"[ ! -p {p} ] && printf %s {rest[0]!r} >> {p}"
+            return f"{not_fifo} && printf %s {rest[0]!r} >> {p}"
         case "mkdir":
             return f"mkdir -p {p}"
         case "rm":
@@ -131,8 +132,8 @@ def shell(op: tuple[Any, ...]) -> str:
             return f"chown -h 1000:1000 {p}"
         case "xattr":
             return f"setfattr -h -n {rest[0]} -v v{len(p)} {p}"
-        case "setcap":  # setcap opens what it names: a FIFO would hold it to the command's timeout
-            return f"[ ! -p {p} ] && setcap cap_net_raw+ep {p}"
+        case "setcap":  # setcap opens what it names
+            return f"{not_fifo} && setcap cap_net_raw+ep {p}"
         case "sparse":
             return f"{parent} && truncate -s 3M {p} && printf x | dd of={p} bs=1 seek=1500000 conv=notrunc status=none"
         case "deep":
