@@ -469,3 +469,45 @@ def test_a_cluster_node_that_dies_fails_its_scopes_and_ping_with_store_errors() 
         asyncio.run(main())
     finally:
         doomed.stop()
+
+
+def test_a_stalling_cluster_fails_lookups_with_store_errors_only() -> None:
+    """Nodes that stall past the socket timeout (`CLIENT PAUSE`, as a stuck server does) while 40 lookups run
+    make timeouts, and redis-py's asyncio cluster client then disconnects idle connections that other commands
+    are taking: those failed inside the client with an AttributeError, which reached the rollout and ended it
+    (seen in tests/test_multihost.py under load). Every failure must be a StoreError, on which the cache goes on
+    uncached. Runs until the client's own fault has shown up wrapped (about 5 to 8 s here), or 30 s."""
+    stalling = start_cluster()
+    failures: dict[str, int] = {}
+    deadline = time.monotonic() + 30
+
+    def over() -> bool:
+        return time.monotonic() > deadline or bool(failures.keys() & {"AttributeError", "TypeError"})
+
+    async def lookups(store: RedisStore, i: int) -> None:
+        while not over():
+            try:
+                await store.lookup(Scope("ns", f"task-{i % 7}", "fp").key, NODE, DIGEST)
+            except StoreError as exc:
+                kind = type(exc.__cause__).__name__
+                failures[kind] = failures.get(kind, 0) + 1
+
+    async def stalls(k: int, port: int) -> None:
+        while not over():
+            await asyncio.to_thread(stalling.cli, "CLIENT", "PAUSE", str(80 + 20 * k), port=port)
+            await asyncio.sleep(0.2 + 0.1 * k)
+
+    async def main() -> None:
+        store = RedisStore(stalling.url + "?socket_timeout=0.05")
+        try:
+            await asyncio.gather(
+                *(stalls(k, p) for k, p in enumerate(stalling.ports)), *(lookups(store, i) for i in range(40))
+            )
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(main())  # any exception but StoreError ends the run here
+    finally:
+        stalling.stop()
+    assert failures, "no lookup failed: the stalls did not stall"
