@@ -15,6 +15,7 @@ import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -37,25 +38,43 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     # Around setup, call and teardown: a fixture's setup (a factory made) counts as much as the test's body.
-    with _turn(item):
+    with _turn(item, nextitem):
         yield
 
 
+#: The lock, still held exclusively after a serial test whose next test is serial too.
+_kept: IO[str] | None = None
+
+
+def _serial(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("serial") is not None
+
+
 @contextlib.contextmanager
-def _turn(item: pytest.Item) -> Iterator[None]:
+def _turn(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    global _kept
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield  # one process: tests run one at a time anyway
         return
-    # The run's temp root, shared by its workers (each has its own basetemp under it); private API, no public one.
-    shared = Path(item.config._tmp_path_factory.getbasetemp()).parent  # type: ignore[attr-defined]
-    alone = item.get_closest_marker("serial") is not None
-    with open(shared / "serial.gate", "a") as gate, open(shared / "serial.lock", "a") as lock:
-        fcntl.flock(gate, fcntl.LOCK_EX)  # the gate keeps newcomers out while a serial test waits for the lock
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
+    lock, _kept = _kept, None
+    if lock is None:
+        # The run's temp root, shared by its workers (each has its own basetemp under it); private API, no public one.
+        shared = Path(item.config._tmp_path_factory.getbasetemp()).parent  # type: ignore[attr-defined]
+        lock = open(shared / "serial.lock", "a")  # noqa: SIM115 (it may outlive this call: `_kept`)
+        with open(shared / "serial.gate", "a") as gate:
+            fcntl.flock(gate, fcntl.LOCK_EX)  # the gate keeps newcomers out while a serial test waits for the lock
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX if _serial(item) else fcntl.LOCK_SH)
+            finally:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        if _serial(item) and _serial(nextitem):
+            # Kept for the next serial test: released between them, the lock let the other worker run a test of
+            # its own each time, during which this worker waited, so the two took turns for the whole serial file
+            # (tests/test_reclaim.py's 43 tests) instead of this one going on to other files afterwards.
+            _kept = lock
+        else:
             fcntl.flock(lock, fcntl.LOCK_UN)
+            lock.close()
