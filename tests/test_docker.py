@@ -11,6 +11,7 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,7 @@ from sandbox_oracle import check_snapshots_against_fresh_replay
 from shell_oracle import Listener, bash, cached_rollouts_wrong, out, random_command, rollout_plan, run, uncached
 from tvcache import SandboxError, ToolCall
 from tvcache.sandboxes import images
-from tvcache.sandboxes.docker import DockerSandbox, DockerSandboxes, build_image
+from tvcache.sandboxes.docker import DockerSandbox, DockerSandboxes, _pipeline, build_image
 from tvcache.sandboxes.docker._cpu import cpu_stat
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
@@ -327,6 +328,35 @@ def test_daemon_stopped_mid_run_gives_clear_errors(second_daemon: SecondDaemon, 
                 with pytest.raises(SandboxError, match=r"unreachable|docker"):
                     await r.call("bash", {"command": "cat /n"})
             assert cache.stats()["hits"] == 0  # nothing after the stop was answered from a wrong state
+        await boxes.close()
+
+    run(main())
+
+
+def test_a_hung_daemon_fails_calls_after_the_request_timeout_without_retries(
+    second_daemon: SecondDaemon, docker_base: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon stopped with SIGSTOP accepts connections and never answers: hung, not dead. aiodocker's requests
+    wait forever by default, so a factory made then never returned, and the pipeline retried each operation that
+    timed out six more times. Now a request fails after `REQUEST_TIMEOUT` (1 s here) with an error that says so,
+    once."""
+    boxes = DockerSandboxes(docker_base, docker_url=second_daemon.url, timeout=30)
+
+    async def main() -> None:
+        async with tvcache.ToolCache() as cache, cache.rollout("t", boxes) as r:
+            assert (await r.call("bash", {"command": "echo up"})).output["output"] == "up\n"
+        monkeypatch.setattr(_pipeline, "REQUEST_TIMEOUT", 1.0)
+        second_daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(SandboxError, match=r"did not answer in 1 s"):
+                await boxes.create()  # a container: through the pipeline
+            assert boxes.retries == 0
+            with pytest.raises(SandboxError, match=r"did not answer in 1 s"):
+                await asyncio.to_thread(DockerSandboxes, docker_base, docker_url=second_daemon.url)  # a new client
+        finally:
+            second_daemon.proc.send_signal(signal.SIGCONT)
+        box = await boxes.create()  # the daemon answers again, and so does the factory
+        assert (await box.execute(ToolCall("bash", {"command": "echo back"}))).output["output"] == "back\n"
         await boxes.close()
 
     run(main())

@@ -233,11 +233,9 @@ def _read_archive(path: Path) -> ImageRoot:
 
 async def _from_daemon(image: str, docker_url: str | None) -> ImageRoot:
     require("docker", "an image on a Docker daemon", "aiodocker")
-    import aiodocker
+    from .docker._pipeline import client, inspect_image
 
-    from .docker._pipeline import inspect_image
-
-    async with aiodocker.Docker(url=docker_url) as docker:
+    async with client(docker_url) as docker:
         info = await inspect_image(docker, image)  # ValueError also when `image` was meant as a missing path
         env, cwd, user = _config_start(info.get("Config") or {})
         dirs = await asyncio.to_thread(_layer_dirs, info)

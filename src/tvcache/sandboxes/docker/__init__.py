@@ -53,7 +53,8 @@ networks, created as needed, at most 200 containers each, instead of a network p
 
 **Timeouts.** A call running past `timeout` seconds is killed with everything it started, and gives
 `Outcome(error=True)` with the output so far; the container stays usable. A container that dies (killed from
-outside, the daemon stopped) raises SandboxError from the call that finds it.
+outside, the daemon stopped) raises SandboxError from the call that finds it, and so does a request the daemon has
+not answered in `_pipeline.REQUEST_TIMEOUT` (a hung daemon).
 
 **Cleanup.** Containers, images and networks carry labels naming the run and the process (see _run).
 `close()` removes them all, also after errors, and so does the garbage collector or the interpreter's exit
@@ -98,7 +99,7 @@ from ..lifecycle import ManagedSandbox, ManagedSandboxes
 from ..reclaim import scratch_dir
 from ._cpu import cpu_stat
 from ._exec import kill_everything, run_bash
-from ._pipeline import Pipeline, describe, inspect_image
+from ._pipeline import Pipeline, client, describe, inspect_image
 from ._run import RUN_LABEL, new_run, reap_dead_runs, remove_run
 
 __all__ = ["CREATE_CONCURRENCY", "TOOLS", "DockerSandbox", "DockerSandboxes", "build_image"]
@@ -135,7 +136,7 @@ def _blocking(job: Callable[[aiodocker.Docker], Awaitable[T]], url: str | None) 
     code needs (the constructor resolving the image, finalizers), wherever it is called from."""
 
     async def main() -> T:
-        async with aiodocker.Docker(url=url) as docker:
+        async with client(url) as docker:
             return await job(docker)
 
     return in_own_thread(lambda: asyncio.run(main()), "tvcache-docker")
@@ -348,7 +349,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
 
     def _client(self) -> aiodocker.Docker:
         if self._docker is None:
-            self._docker = aiodocker.Docker(url=self.docker_url)
+            self._docker = client(self.docker_url)
         return self._docker
 
     async def _ensure_setup(self) -> None:
@@ -694,7 +695,7 @@ async def build_image(context_dir: str | os.PathLike[str], *, docker_url: str | 
         raise ValueError(f"{os.fspath(context_dir)!r} has no Dockerfile")
     digest = await asyncio.to_thread(_context_digest, root)
     tag = f"{BUILD_REPO}:{digest[:24]}"
-    async with aiodocker.Docker(url=docker_url) as docker:
+    async with client(docker_url) as docker:
         try:
             return str((await docker.images.inspect(tag))["Id"])
         except aiodocker.DockerError as exc:

@@ -27,12 +27,23 @@ T = TypeVar("T")
 
 RETRIES = 6
 FIRST_BACKOFF = 0.05
-#: A single daemon request may wait this long (a loaded daemon takes seconds, a hung one forever).
+#: A daemon request may wait this long (a loaded daemon takes seconds, a hung one forever), and so may a pipeline's
+#: operation. One that times out is not retried: asked again, a hung daemon takes as long each time. Streams (a
+#: command's output, a build, `docker save`) have no such limit: aiodocker exempts them.
 REQUEST_TIMEOUT = 300.0
 
 
+def client(url: str | None) -> aiodocker.Docker:
+    """An aiodocker client whose requests fail after `REQUEST_TIMEOUT`: aiodocker's own wait forever, so a daemon
+    that accepts connections and never answers hung the factory's constructor and every call on it."""
+    return aiodocker.Docker(url=url, timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT))
+
+
 def is_transient(exc: BaseException) -> bool:
-    """A failure worth retrying: the daemon was overloaded or the connection dropped, not a bad request."""
+    """A failure worth retrying: the daemon was overloaded or the connection dropped, not a bad request, and not a
+    daemon that stopped answering (see `REQUEST_TIMEOUT`)."""
+    if isinstance(exc, TimeoutError):
+        return False
     if isinstance(exc, aiodocker.DockerError):
         return exc.status >= 500 and "No such" not in str(exc.message)
     return isinstance(exc, aiohttp.ClientError | ConnectionError | TimeoutError)
@@ -45,6 +56,8 @@ def describe(exc: BaseException) -> str:
         return f"the Docker daemon is unreachable ({exc.message})"
     if isinstance(exc, aiodocker.DockerError):
         return f"the Docker daemon answered {exc.status}: {exc.message}"
+    if isinstance(exc, TimeoutError):
+        return f"the Docker daemon did not answer in {REQUEST_TIMEOUT:g} s"
     return f"{type(exc).__name__}: {exc}"
 
 
