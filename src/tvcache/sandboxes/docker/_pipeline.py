@@ -46,7 +46,7 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, aiodocker.DockerError):
         return exc.status >= 500 and "No such" not in str(exc.message)
-    return isinstance(exc, aiohttp.ClientError | ConnectionError | TimeoutError)
+    return isinstance(exc, aiohttp.ClientError | ConnectionError)
 
 
 def describe(exc: BaseException) -> str:
