@@ -78,11 +78,12 @@ MAX_SECONDS = 10 * 365 * 86400.0  # longer claims and leases are clamped to this
 
 T = TypeVar("T")
 _Arg = str | bytes | int | float
-# What a failing server makes redis-py raise. AttributeError and TypeError too: after a timeout, its asyncio cluster
-# client disconnects its idle connections while another command takes one of them, which then fails inside the
-# client (`'NoneType' object has no attribute 'writelines'`; the standalone client's `_write_ready` TypeError is
-# redis-py issue 3546). The store failed, not the caller: the cache goes on without it, as for any store error.
-_ERRORS = (RedisError, RedisClusterException, OSError, AttributeError, TypeError)
+# What a failing server makes redis-py raise. AttributeError, TypeError and RuntimeError too: after a timeout, its
+# asyncio cluster client disconnects its idle connections while another command takes one of them, which then fails
+# inside the client (`'NoneType' object has no attribute 'writelines'`; under uvloop, `RuntimeError: unable to
+# perform operation on <TCPTransport closed=True ...>`; the standalone client's `_write_ready` TypeError is redis-py
+# issue 3546). The store failed, not the caller: the cache goes on without it, as for any store error.
+_ERRORS = (RedisError, RedisClusterException, OSError, AttributeError, TypeError, RuntimeError)
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_entry = msgspec.msgpack.Decoder(Entry).decode
