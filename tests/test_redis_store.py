@@ -478,7 +478,7 @@ def test_a_stalling_cluster_fails_lookups_with_store_errors_only(loop: str) -> N
     are taking: those failed inside the client with an AttributeError (under uvloop, which `tvcache serve` runs
     on, a RuntimeError of its transport), which reached the rollout and ended it (seen in tests/test_multihost.py
     under load). Every failure must be a StoreError, on which the cache goes on uncached. Runs until the client's
-    own fault has shown up wrapped (about 5 to 8 s here), or 30 s."""
+    own fault has shown up wrapped (5 to 14 s here), or 30 s."""
     new_loop = asyncio.new_event_loop if loop == "asyncio" else pytest.importorskip("uvloop").new_event_loop
     stalling = start_cluster()
     failures: dict[str, int] = {}
