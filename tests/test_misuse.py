@@ -183,3 +183,28 @@ def test_integers_past_64_bits_in_args_are_cached_like_any_other() -> None:
                     assert (res.output, res.source) == ("ok", source)
 
     asyncio.run(main())
+
+
+def test_arguments_of_the_wrong_kind_are_refused_at_once_with_what_was_meant() -> None:
+    """A store URL passed as `store=`, a factory left out, a list of tool names for `tools`: each used to be
+    accepted and fail later, deep inside, as an AttributeError on the first call (or at close)."""
+    with pytest.raises(TypeError, match=r"pass a URL as the first argument: ToolCache\('sqlite:///r.db'\)"):
+        tvcache.ToolCache(store="sqlite:///r.db")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="store must be a tvcache Store"):
+        tvcache.ToolCache(store={})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a store URL is a string"):
+        tvcache.ToolCache(5)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async with tvcache.ToolCache() as cache:
+            with pytest.raises(TypeError, match="sandboxes must be a sandbox factory"):
+                await cache.open("t", None)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=r"tools must be a tvcache\.Tools"):
+                await cache.open("t", kv.sandboxes(), ["read"])  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="sandboxes must be a sandbox factory"):
+                await cache.prefetch(["t"], "not a factory")  # type: ignore[arg-type]
+            async with cache.rollout("t", kv.sandboxes(), kv.TOOLS) as r:  # and nothing was left half-made
+                assert (await r.call("write", {"key": "a", "value": "x"})).output is not None
+            assert cache.stats()["calls"] == 1
+
+    asyncio.run(main())

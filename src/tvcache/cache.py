@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import os
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
@@ -86,6 +87,10 @@ class ToolCache:
     ):
         if store is not None and url is not None:
             raise ValueError("pass a store URL or a Store object, not both")
+        if isinstance(store, str | bytes | os.PathLike):
+            raise TypeError(f"store= takes a Store object; pass a URL as the first argument: ToolCache({store!r})")
+        if store is not None and not callable(getattr(store, "lookup", None)):
+            raise TypeError(f"store must be a tvcache Store (see tvcache.stores), got {type(store).__name__}")
         if snapshot_budget < 0 or claim_ttl <= 0 or lease_ttl <= 0 or prefetch_concurrency < 1:
             raise ValueError("snapshot_budget must be >= 0, the ttls > 0 and prefetch_concurrency >= 1")
         if on_store_error not in ("continue", "raise"):
@@ -121,7 +126,7 @@ class ToolCache:
 
     def scope(self, task: str, sandboxes: Sandboxes) -> Scope:
         """The scope of `task`'s graph: this cache's namespace, the task id and the sandboxes' fingerprint."""
-        return Scope(self.namespace, task, sandboxes.fingerprint)
+        return Scope(self.namespace, task, _factory(sandboxes).fingerprint)
 
     async def check(self) -> None:
         """Ping the store; raise `StoreError` saying what is wrong if it does not answer."""
@@ -175,7 +180,7 @@ class ToolCache:
         while it works); `close()` cancels what is still under way and closes the warm sandboxes nobody took.
         """
         self._ctx.check_open()
-        origin = self._ctx.factories[sandboxes].origin
+        origin = self._ctx.factories[_factory(sandboxes)].origin
         warm, names, jobs = self._ctx.warm, list(tasks), []
         scope_keys = [self.scope(task, sandboxes).key for task in names]
         for scope_key in scope_keys:
@@ -274,3 +279,13 @@ async def _count(jobs: list[asyncio.Task[bool]]) -> int:
 
 async def _close(box: Sandbox) -> None:
     await box.close()
+
+
+def _factory(sandboxes: Sandboxes) -> Sandboxes:
+    """`sandboxes`, checked: a mistake here would otherwise surface later as an AttributeError deep inside."""
+    if not isinstance(sandboxes, Sandboxes):
+        raise TypeError(
+            "sandboxes must be a sandbox factory (tvcache.Sandboxes: fingerprint, create, restore, delete; e.g. "
+            f"WorkspaceSandboxes(base)), got {type(sandboxes).__name__}"
+        )
+    return sandboxes

@@ -149,6 +149,8 @@ class Rollout:
         self._ctx = ctx
         self._scope = scope
         self._scope_key = scope.key
+        if tools is not None and not isinstance(tools, Tools):
+            raise TypeError(f"tools must be a tvcache.Tools(read_only=..., uncacheable=..., key=...), got {tools!r}")
         self._tools = tools or Tools()
         self._history = History(scope.root)
         self._snapshot_reuse = ctx.reuse(self._scope_key)

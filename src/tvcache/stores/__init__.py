@@ -22,6 +22,8 @@ def open_store(url: str | None) -> Store:
     """`None` or "memory://": in memory; "sqlite:///path.db?cache_mb=64": a durable file, at most `cache_mb` of
     its entries also in memory; "http://host:port": a shared `tvcache serve`; "redis://host:port/db": Redis or
     Redis Cluster. Each backend is imported only when used."""
+    if url is not None and not isinstance(url, str):
+        raise TypeError(f"a store URL is a string such as 'sqlite:///runs/cache.db', got {url!r}")
     if url is None or url == "memory://":
         from .memory import MemoryStore
 
