@@ -12,7 +12,6 @@ workspace._mounts), so that is all `merge` has to understand.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import hashlib
 import os
@@ -141,8 +140,13 @@ def _copy_metadata(src: Ref, st: os.stat_result, dest: Ref, *, overlay_xattrs: b
     for name in os.listxattr(src.path, follow_symlinks=False):
         if ".overlay." in name and not overlay_xattrs:
             continue  # overlayfs bookkeeping (origin, impure, opaque) belongs to the source layer
-        with contextlib.suppress(OSError):  # e.g. security.* xattrs this process may not set
+        try:
             os.setxattr(dest.path, name, os.getxattr(src.path, name, follow_symlinks=False), follow_symlinks=False)
+        except OSError as exc:  # e.g. security.* xattrs this process may not set: skipped
+            # But not for want of room (tmpfs counts xattrs against its files): a copy without its opaque mark
+            # would bring back, on restore, the files the sandbox had deleted.
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
     if not stat.S_ISLNK(st.st_mode):
         os.chmod(dest.name, stat.S_IMODE(st.st_mode), dir_fd=dest.dir_fd)
     os.utime(dest.name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=dest.dir_fd, follow_symlinks=False)

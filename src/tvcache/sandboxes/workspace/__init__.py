@@ -475,8 +475,10 @@ class WorkspaceSandboxes(ManagedSandboxes["WorkspaceSandbox", Snapshot]):
         box = WorkspaceSandbox(self, self._ctx, self._ctx.boxes / str(next(self._counter)), snap.state)
         try:
             await box._fs.start(snap)
-        except BaseException:
+        except BaseException as exc:
             await box.close()
+            if isinstance(exc, OSError):  # e.g. no room in `tmp` for its upper dirs: the machinery, not the task
+                raise SandboxError(f"could not make a sandbox: {exc}") from exc
             raise
         return box
 

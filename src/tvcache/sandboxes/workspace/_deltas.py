@@ -338,6 +338,14 @@ def _sync_metadata(src: Ref, st: os.stat_result, dest: Ref) -> None:
     _copy_metadata(src, st, dest, overlay_xattrs=True)
 
 
+def _empty(dir_fd: int, name: str) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+
+
 def _rewrite(src_dir: int, dest_dir: int, name: str) -> None:
     """The regular file `name` gets the bytes and metadata of the delta's copy, in place (its hard links too)."""
     src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_dir)
@@ -362,6 +370,15 @@ def apply(layer: str, upper: str, delta: Delta) -> None:
         for parts in (*delta.gone, *delta.new):
             with _dirs(dest_root, parts[:-1]) as out:
                 _remove(out, parts[-1])
+        # Every file rewritten in place is emptied before anything is written, so that the upper dir only grows
+        # from here to the state the delta ends in, which fitted the sandbox's disk quota. In the order the
+        # sandbox changed them, a file that grew before another one shrank needed more than the quota: such a
+        # snapshot could never be restored ("No space left on device").
+        for parts, is_dir in delta.meta:
+            if not is_dir:
+                with _dirs(src_root, parts[:-1]) as src, _dirs(dest_root, parts[:-1]) as out:
+                    if stat.S_ISREG(os.stat(parts[-1], dir_fd=src, follow_symlinks=False).st_mode):
+                        _empty(out, parts[-1])
         for parts in delta.new:
             with _dirs(src_root, parts[:-1]) as src, _dirs(dest_root, parts[:-1]) as out:
                 _copy_whole(src, out, parts[-1])

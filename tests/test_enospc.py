@@ -1,0 +1,266 @@
+"""A full disk, caused for real: small tmpfs mounts of the test's own, unmounted at teardown (needs root).
+
+The SQLite store whose file lives on a full tmpfs, alone and behind `tvcache serve`; workspace sandboxes whose
+`tmp` (snapshot layers, each sandbox's directory) runs out of files, and whose disk quota a command fills. What a
+full disk may cost is the cache's help (a call runs uncached, a snapshot is not taken), never a wrong answer, a
+damaged entry or an exception other than the documented ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sqlite3
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kv
+from server_helpers import Server
+from shell_oracle import out, run
+from tvcache import SandboxError, ToolCache
+from tvcache.graph import EDGE, Entry
+from tvcache.sandboxes._layers import copy_layer
+from tvcache.sandboxes.python import PythonSandboxes
+from tvcache.sandboxes.workspace import WorkspaceSandboxes
+from tvcache.stores import StoreError, TaskInfo
+from tvcache.stores.http import HTTPStore
+from tvcache.stores.sqlite import SQLiteStore
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs of its own (needs root)")
+
+SCOPE = "5c09e" * 6 + "ab"  # a scope key as the wire format takes it: 32 hex digits
+DIGEST = b"d" * 16
+
+
+def node(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+@contextlib.contextmanager
+def small_tmpfs(options: str) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="tvcache-enospc-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tvcache-test", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+        path.rmdir()
+
+
+def fill_bytes(disk: Path) -> None:
+    """Write until the filesystem says no room, to the last byte."""
+    for name, chunk in (("filler", 1 << 16), ("filler-tail", 1)):
+        fd = os.open(disk / name, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while True:
+                os.write(fd, b"x" * chunk)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+        finally:
+            os.close(fd)
+
+
+def fill_files(disk: Path, leave: int = 0) -> None:
+    """Make empty files until the filesystem has no more inodes, then give `leave` of them back."""
+    made = []
+    fill = disk / "files"
+    fill.mkdir()
+    while True:
+        try:
+            os.close(os.open(fill / str(len(made)), os.O_WRONLY | os.O_CREAT, 0o600))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+            break
+        made.append(len(made))
+    for i in made[len(made) - leave :]:
+        os.unlink(fill / str(i))
+
+
+def free(disk: Path) -> None:
+    subprocess.run(["rm", "-rf", str(disk / "filler"), str(disk / "filler-tail"), str(disk / "files")], check=True)
+
+
+def entry(i: int, size: int = 300) -> Entry:
+    return Entry(EDGE, b"%d:" % i + os.urandom(size), 0.1, f"call {i}")
+
+
+# -- the SQLite store ---------------------------------------------------------------------------------------
+
+
+def test_the_sqlite_store_on_a_full_disk_fails_as_a_store_error_and_recovers() -> None:
+    """Writes on a full disk fail as `StoreError` (the cache then records nothing of the call, which answers all
+    the same), reads go on, nothing recorded before is damaged, and once there is room again the same store writes."""
+
+    async def main(disk: Path) -> None:
+        store = SQLiteStore(disk / "cache.db")
+        before = {i: entry(i) for i in range(20)}
+        for i, e in before.items():
+            await store.record(SCOPE, node(i), DIGEST, e, None)
+        await store.add_snapshot(SCOPE, "origin", [node(0)], "snap-0", 10)
+        fill_bytes(disk)
+        for i in range(20, 30):
+            with pytest.raises(StoreError, match="database or disk is full"):
+                await store.record(SCOPE, node(i), DIGEST, entry(i, 2000), None)
+        for failing in (
+            store.register(TaskInfo(SCOPE, "ns", "task", "fp")),
+            store.lease(SCOPE, "origin", [node(0)], 10),
+            store.add_snapshot(SCOPE, "origin", [node(0), node(1)], "snap-1", 10),
+        ):
+            with pytest.raises(StoreError, match="database or disk is full"):
+                await failing
+        assert await store.lookup(SCOPE, node(3), DIGEST) == before[3]
+        free(disk)
+        after = entry(99, 5000)
+        assert await store.record(SCOPE, node(99), DIGEST, after, None) == after
+        assert (await store.lease(SCOPE, "origin", [node(0)], 10)) is not None
+        await store.close()
+
+        reopened = SQLiteStore(disk / "cache.db", cache_mb=0)
+        for i, e in [*before.items(), (99, after)]:
+            assert await reopened.lookup(SCOPE, node(i), DIGEST) == e
+        assert await reopened.lookup(SCOPE, node(25), DIGEST) is None  # refused, so never recorded
+        await reopened.close()
+        with contextlib.closing(sqlite3.connect(disk / "cache.db")) as db:
+            assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+
+    with small_tmpfs("size=1m") as disk:
+        run(main(disk))
+
+
+def test_a_server_on_a_full_disk_answers_its_store_error(tmp_path: Path) -> None:
+    """`tvcache serve` with that store: a record on the full disk is the documented 503 "store failed: ...",
+    which its HTTP client raises as `StoreError`; a rollout through it answers every call, uncached."""
+
+    async def main(server: Server, disk: Path) -> None:
+        client = HTTPStore(server.url)
+        await client.record(SCOPE, node(0), DIGEST, entry(0), None)
+        fill_bytes(disk)
+        with pytest.raises(StoreError, match=r"503: store failed: .*database or disk is full"):
+            await client.record(SCOPE, node(1), DIGEST, entry(1, 4000), None)
+        await client.close()
+        calls = [("write", {"key": "a", "value": "x" * 4000}), ("read", {"key": "a"})]
+        async with PythonSandboxes(dict, kv.run, "kv") as boxes, ToolCache(server.url) as cache:
+            async with cache.rollout("t", boxes, kv.TOOLS) as r:
+                got = [(await r.call(tool, args)).output for tool, args in calls]
+            assert got == ["ok", "x" * 4000]
+            assert cache.stats()["store_errors"] > 0
+
+    with small_tmpfs("size=1m") as disk, Server(tmp_path, f"sqlite:///{disk}/cache.db") as server:
+        run(main(server, disk))
+        assert "Traceback" not in server.log()
+
+
+# -- workspace sandboxes --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="tvcache-enospc-base-", dir="/dev/shm"))
+    (path / "README").write_text("the readme\n")
+    (path / "data").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (path / "data" / name).write_text(f"{name} from base\n")
+    try:
+        yield path
+    finally:
+        subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+def test_a_layer_copy_with_no_room_for_an_xattr_fails() -> None:
+    """tmpfs (Linux 6.6 on) counts xattrs against its files' space, so a copy can make a directory and then find
+    no room for its `overlay.opaque` mark. When the copy skipped the mark, a restored sandbox showed the base's
+    files in a directory the sandbox had emptied (`ls data` printed a.txt b.txt n, uncached n, in a probe through
+    real snapshots into such a tmp). The copy must fail instead, as a copy that found no room for a file does."""
+    with small_tmpfs("size=1m") as elsewhere, small_tmpfs("size=1m,nr_inodes=64") as disk:
+        src = elsewhere / "upper"  # not on `disk`: its xattr would take a part of an inode's space there
+        src.mkdir()
+        os.setxattr(src, "trusted.overlay.opaque", b"y")
+        fill_files(disk)
+        try:
+            os.setxattr(disk / "files", "trusted.probe", b"y")
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        else:
+            pytest.skip("this kernel's tmpfs does not count xattrs against its files (before Linux 6.6)")
+        os.unlink(disk / "files" / "0")  # room for the copy's directory and not one byte more
+        with pytest.raises(OSError) as raised:
+            copy_layer(str(src), str(disk / "layer"))
+        assert raised.value.errno == errno.ENOSPC
+
+
+def test_sandboxes_on_a_tmp_out_of_room_fail_as_sandbox_errors(base: Path) -> None:
+    """`create` and `restore` on a `tmp` with no file left raise `SandboxError` (before, a bare `OSError`, which
+    escaped `rollout.call` as such), leave nothing half made, and work again once there is room."""
+
+    async def main(tmp: Path) -> None:
+        async with WorkspaceSandboxes(base, tmp=tmp, disk=4 << 20, isolation="overlay") as boxes:
+            box = await boxes.create()
+            await out(box, "rm -rf data && mkdir data && echo new > data/n")
+            snap = await box.snapshot()
+            await box.close()
+            made = set(os.listdir(boxes._ctx.boxes))
+            for leave in (0, 1, 2):  # each fails at another step of making a sandbox
+                fill_files(tmp, leave)
+                for make in (boxes.create, lambda: boxes.restore(snap)):
+                    with pytest.raises(SandboxError, match=r"could not make a sandbox: .*No space left"):
+                        await make()
+                free(tmp)
+            assert set(os.listdir(boxes._ctx.boxes)) == made  # each half-made sandbox was removed
+            fill_files(tmp)
+            async with ToolCache() as cache, cache.rollout("task", boxes) as r:
+                with pytest.raises(SandboxError):
+                    await r.call("bash", {"command": "ls"})
+            free(tmp)
+            assert await out(await boxes.restore(snap), "ls data; cat data/n") == "n\nnew\n"
+
+    with small_tmpfs("size=16m,nr_inodes=300") as tmp:
+        run(main(tmp))
+
+
+def test_a_command_that_fills_the_quota_answers_as_uncached_after_a_restore(base: Path) -> None:
+    """A command that runs into the disk quota gets its own "No space left" (an answer like any other once it
+    frees the space again): as many bytes fit in a sandbox restored from a chain of snapshots (a full layer, then
+    deltas) as in a fresh sandbox that ran the same history uncached."""
+    steps = [
+        "head -c 300000 /dev/zero > w1 && cp w1 w2",
+        "mkdir d && for i in $(seq 40); do echo $i > d/$i; done",
+        "rm w1",
+    ]
+    fill = "head -c 4000000 /dev/zero > big; echo $?; wc -c < big; rm big"
+
+    async def main() -> None:
+        async with WorkspaceSandboxes(base, disk=1 << 20) as boxes:
+            lived, fresh = await boxes.create(), await boxes.create()
+            for step in steps:
+                await out(lived, step)
+                snap = await lived.snapshot()
+                await out(fresh, step)
+            restored = await boxes.restore(snap)
+            want = await out(fresh, fill)
+            assert "No space left on device" in want
+            assert [await out(box, fill) for box in (lived, restored)] == [want, want]
+
+    run(main())
+
+
+def test_a_delta_that_grew_a_file_before_another_shrank_restores_within_the_quota(base: Path) -> None:
+    """A delta replays files rewritten in place; in the order the sandbox changed them (b grew, then a shrank,
+    then b grew again) the replay needed 1.1 MB of a 1 MiB quota, so the snapshot of a state that fits could never
+    be restored ("No space left on device", every time). Replayed emptied first, it restores as it was."""
+
+    async def main() -> None:
+        async with WorkspaceSandboxes(base, disk=1 << 20, isolation="overlay") as boxes:
+            box = await boxes.create()
+            await out(box, "head -c 500000 /dev/zero > a; head -c 100000 /dev/zero > b")
+            await box.snapshot()  # the full layer the delta is on
+            state = "wc -c a b; md5sum a b"
+            await out(box, "head -c 300000 /dev/urandom >> b; : > a; head -c 200000 /dev/urandom >> b")
+            want = await out(box, state)
+            assert await out(await boxes.restore(await box.snapshot()), state) == want
+
+    run(main())
