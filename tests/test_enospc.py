@@ -198,7 +198,7 @@ def test_sandboxes_on_a_tmp_out_of_room_fail_as_sandbox_errors(base: Path) -> No
     escaped `rollout.call` as such), leave nothing half made, and work again once there is room."""
 
     async def main(tmp: Path) -> None:
-        async with WorkspaceSandboxes(base, tmp=tmp, disk=4 << 20, isolation="overlay") as boxes:
+        async with WorkspaceSandboxes(base, tmp=tmp, disk=4 << 20) as boxes:
             box = await boxes.create()
             await out(box, "rm -rf data && mkdir data && echo new > data/n")
             snap = await box.snapshot()
@@ -254,7 +254,7 @@ def test_a_delta_that_grew_a_file_before_another_shrank_restores_within_the_quot
     be restored ("No space left on device", every time). Replayed emptied first, it restores as it was."""
 
     async def main() -> None:
-        async with WorkspaceSandboxes(base, disk=1 << 20, isolation="overlay") as boxes:
+        async with WorkspaceSandboxes(base, disk=1 << 20) as boxes:
             box = await boxes.create()
             await out(box, "head -c 500000 /dev/zero > a; head -c 100000 /dev/zero > b")
             await box.snapshot()  # the full layer the delta is on
