@@ -4,7 +4,7 @@ mid-call, and a store that goes away. Everything else they pass through to the r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from tvcache import Outcome, SandboxError, ToolCall
@@ -85,6 +85,14 @@ class FaultySandboxes:
     async def delete(self, snapshot_id: str) -> None:
         self.deleted.append(snapshot_id)
         await self.inner.delete(snapshot_id)
+
+
+class FaultyReadingSandboxes(FaultySandboxes):
+    """`FaultySandboxes` over a factory whose sandboxes report what calls read (`BaseDigests`): the cache then
+    reuses results by their read sets through it too."""
+
+    async def base_digests(self, keys: Collection[str]) -> Mapping[str, str]:
+        return await self.inner.base_digests(keys)  # type: ignore[no-any-return]
 
 
 class FlakyStore:

@@ -3,9 +3,10 @@ never change an answer.
 
 Each round runs a real cache (a SQLite store file, whose every operation is a hop to its own thread, so a
 cancellation can land while a lease or a record is half-way) over a real sandbox backend: Python objects,
-SQLite databases, workspace directories. Rollouts of two tasks run two at a time (so they share entries,
-claims, snapshots and leases) and are cancelled after a random number of event-loop turns or a random
-fraction of a millisecond. After the round, with the cache closed:
+SQLite databases, workspace directories, and workspace directories traced for their reads (results reused by
+read sets, digested after the answer). Rollouts of two tasks run two at a time (so they share entries, claims,
+snapshots and leases) and are cancelled after a random number of event-loop turns or a random fraction of a
+millisecond. After the round, with the cache closed:
 
 - every sandbox created or restored was closed exactly once (`FaultyBox.close` asserts once);
 - every snapshot made is recorded in the store or deleted, and the backend holds exactly the recorded ones;
@@ -31,7 +32,7 @@ import pytest
 
 import kv
 import tvcache
-from faults import FaultySandboxes
+from faults import FaultyReadingSandboxes, FaultySandboxes
 from tvcache.stores.sqlite import SQLiteStore
 
 TMP = "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
@@ -115,10 +116,31 @@ async def workspace_factory(tmp: Path) -> AsyncIterator[Any]:
         yield boxes
 
 
+def traced_shell_call(rng: random.Random) -> Call:
+    """`shell_call`, and a command that reads only what no call changes: its read set matches in every state, so
+    rollouts in other states get read-set hits."""
+    return ("bash", {"command": "cat README; wc -c README"}) if rng.random() < 0.25 else shell_call(rng)
+
+
+@contextlib.asynccontextmanager
+async def traced_workspace_factory(tmp: Path) -> AsyncIterator[Any]:
+    """Workspaces whose commands are traced: a read-only command's read set is digested after its answer
+    (`Outcome.reads_later`) and kept in a task of the cache, so a cancellation can also land while the sandbox
+    holds still for a digest, or while a rollout looks among candidates for one whose reads match."""
+    from tvcache.sandboxes.workspace import WorkspaceSandboxes
+
+    base = tmp / "base"
+    base.mkdir()
+    (base / "README").write_text("the task\n")
+    async with WorkspaceSandboxes(base, tmp=TMP, timeout=30, read_sets=True) as boxes:
+        yield boxes
+
+
 WORLDS = {
     "python": World(python_factory, kv_call, kv.TOOLS, rounds=20, trials=40),
     "sqlite": World(sqlite_factory, sql_call, rounds=8, trials=30),
     "workspace": World(workspace_factory, shell_call, rounds=5, trials=20, patience=0.05),
+    "workspace-traced": World(traced_workspace_factory, traced_shell_call, rounds=3, trials=20, patience=0.05),
 }
 
 
@@ -168,7 +190,7 @@ async def one_round(world: World, seed: int, tmp: Path) -> None:
     path = tmp / "store.db"
     transcripts: list[Transcript] = []
     async with world.factory(tmp) as inner:
-        boxes = FaultySandboxes(inner)
+        boxes = (FaultyReadingSandboxes if getattr(inner, "read_sets", False) else FaultySandboxes)(inner)
         store = SQLiteStore(path)
         cache = tvcache.ToolCache(store=store, snapshot_budget=3, warm_limit=4)
         for _ in range(world.trials):
