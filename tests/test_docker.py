@@ -40,6 +40,8 @@ from pidns import IN_A_PID_NAMESPACE
 from sandbox_oracle import check_snapshots_against_fresh_replay
 from shell_oracle import Listener, bash, cached_rollouts_wrong, out, random_command, rollout_plan, run, uncached
 from tvcache import SandboxError, ToolCall
+from tvcache.live import no_room
+from tvcache.sandboxes import docker as docker_module
 from tvcache.sandboxes import images
 from tvcache.sandboxes.docker import DockerSandbox, DockerSandboxes, _pipeline, build_image
 from tvcache.sandboxes.docker._cpu import cpu_stat
@@ -391,6 +393,47 @@ def test_close_removes_everything_and_deleting_a_snapshot_removes_its_files(task
     run_id, layers = run(main())
     assert labelled("container", run_id) == labelled("image", run_id) == labelled("network", run_id) == []
     assert not layers.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs of its own (needs root)")
+def test_a_restore_with_no_room_for_the_snapshot_fails_as_a_sandbox_error(
+    task_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore copies the snapshot into the new container's upper dir, on the daemon's data root: a full disk
+    there fails as `SandboxError` (the pipeline that starts containers wraps every failure), with the new
+    container removed, and a restore once there is room works.
+    The daemon's data root is shared, so the disk that fills is a small tmpfs of the test's own, mounted over the
+    new container's directory (in place of its upper dir) for the copy alone: a real ENOSPC, from the real copy."""
+    fill = docker_module._fill
+
+    def fill_on_a_full_disk(layer: str, upper: str) -> None:
+        container_dir = Path(upper).parent
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tvcache-test", str(container_dir)], check=True)
+        try:
+            (container_dir / "diff").mkdir()
+            with open(container_dir / "filler", "wb") as filler, contextlib.suppress(OSError):
+                while True:
+                    filler.write(b"x" * 4096)
+                    filler.flush()
+            fill(layer, upper)
+        finally:
+            subprocess.run(["umount", "-l", str(container_dir)], check=True)
+
+    async def main() -> None:
+        async with DockerSandboxes(task_image) as boxes:
+            box = await boxes.create()
+            await out(box, "head -c 100000 /dev/urandom > f; echo x > g")
+            snap = await box.snapshot()
+            containers = labelled("container", boxes.run)
+            with monkeypatch.context() as patch:
+                patch.setattr(docker_module, "_fill", fill_on_a_full_disk)
+                with pytest.raises(SandboxError, match=r"docker: starting a container .* No space left on device") as e:
+                    await boxes.restore(snap)
+                assert no_room(e.value)  # so the cache keeps the snapshot and takes another route
+            assert labelled("container", boxes.run) == containers
+            assert await out(await boxes.restore(snap), "cat g; wc -c < f") == "x\n100000\n"
+
+    run(main())
 
 
 def test_a_killed_process_is_reaped_by_the_next_start(task_image: str) -> None:

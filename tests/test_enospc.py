@@ -8,24 +8,31 @@ damaged entry or an exception other than the documented ones.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
+import logging
 import os
+import re
 import sqlite3
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import kv
-from server_helpers import Server
+from server_helpers import Server, request
 from shell_oracle import out, run
-from tvcache import SandboxError, ToolCache
+from tvcache import SandboxError, ToolCache, live
+from tvcache.calls import ToolCall
 from tvcache.graph import EDGE, Entry
+from tvcache.live import MAX_SUSPECT_FAILURES
 from tvcache.sandboxes._layers import copy_layer
 from tvcache.sandboxes.python import PythonSandboxes
+from tvcache.sandboxes.sqlite import SQLiteSandboxes
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
 from tvcache.stores import StoreError, TaskInfo
 from tvcache.stores.http import HTTPStore
@@ -52,8 +59,8 @@ def small_tmpfs(options: str) -> Iterator[Path]:
         path.rmdir()
 
 
-def fill_bytes(disk: Path) -> None:
-    """Write until the filesystem says no room, to the last byte."""
+def fill_bytes(disk: Path, leave: int = 0) -> None:
+    """Write until the filesystem says no room, to the last byte; then give `leave` bytes of it back."""
     for name, chunk in (("filler", 1 << 16), ("filler-tail", 1)):
         fd = os.open(disk / name, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
@@ -63,6 +70,7 @@ def fill_bytes(disk: Path) -> None:
             assert exc.errno == errno.ENOSPC, exc
         finally:
             os.close(fd)
+    os.truncate(disk / "filler", os.stat(disk / "filler").st_size - leave)
 
 
 def fill_files(disk: Path, leave: int = 0) -> None:
@@ -134,7 +142,9 @@ def test_the_sqlite_store_on_a_full_disk_fails_as_a_store_error_and_recovers() -
 
 def test_a_server_on_a_full_disk_answers_its_store_error(tmp_path: Path) -> None:
     """`tvcache serve` with that store: a record on the full disk is the documented 503 "store failed: ...",
-    which its HTTP client raises as `StoreError`; a rollout through it answers every call, uncached."""
+    which its HTTP client raises as `StoreError`; a rollout through it answers every call, uncached. /healthz,
+    which said 200 while every write failed (the store still answered its ping), reports the failed write until
+    a write succeeds again."""
 
     async def main(server: Server, disk: Path) -> None:
         client = HTTPStore(server.url)
@@ -142,6 +152,12 @@ def test_a_server_on_a_full_disk_answers_its_store_error(tmp_path: Path) -> None
         fill_bytes(disk)
         with pytest.raises(StoreError, match=r"503: store failed: .*database or disk is full"):
             await client.record(SCOPE, node(1), DIGEST, entry(1, 4000), None)
+        status, reply = request(server, "GET", "/healthz")
+        assert status == 503 and re.fullmatch(r"store failed: a write failed 0 s ago: .*disk is full", reply["error"])
+        free(disk)
+        await client.record(SCOPE, node(1), DIGEST, entry(1, 4000), None)
+        assert request(server, "GET", "/healthz") == (200, {"status": "ok"})
+        fill_bytes(disk)
         await client.close()
         calls = [("write", {"key": "a", "value": "x" * 4000}), ("read", {"key": "a"})]
         async with PythonSandboxes(dict, kv.run, "kv") as boxes, ToolCache(server.url) as cache:
@@ -264,3 +280,112 @@ def test_a_delta_that_grew_a_file_before_another_shrank_restores_within_the_quot
             assert await out(await boxes.restore(await box.snapshot()), state) == want
 
     run(main())
+
+
+# -- SQLite sandboxes, and what the cache makes of a full `tmp` ---------------------------------------------
+
+# A write dear enough to redo that the cache snapshots the state after it (tens of ms of counting), which adds
+# one row: a page the file already has, so it still succeeds on a full disk.
+SLOW_INSERT = (
+    "INSERT INTO t SELECT count(*) FROM (WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < "
+    "{}) SELECT i FROM n)"
+)
+PATH = [SLOW_INSERT.format(200000 + i) for i in range(2)]
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    path = tmp_path / "db.sqlite"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("CREATE TABLE t(x)")
+        conn.commit()
+    return path
+
+
+async def sql(r: Any, query: str) -> Any:
+    return await r.call("sql", {"query": query})
+
+
+def test_restores_that_fail_for_want_of_room_do_not_lose_the_snapshot(db: Path) -> None:
+    """A restore that fails because the sandboxes' `tmp` is full is the machine's failure, not the snapshot's.
+    Before, each counted against the snapshot, and after three (`MAX_SUSPECT_FAILURES`) the cache dropped the
+    snapshot from the graph and deleted it: a sound, costly state lost to a full disk. Now the snapshots stay,
+    and once there is room the next rollout restores one."""
+
+    async def main(tmp: Path) -> None:
+        async with SQLiteSandboxes(db, tmp=tmp) as boxes, ToolCache() as cache:
+            async with cache.rollout("t", boxes) as r:
+                for query in PATH:
+                    await sql(r, query)
+                await cache.flush()  # the snapshots are taken, so closing the rollout closes its sandbox at once
+            snapshots = {s.snapshot_id for s in await cache.store.snapshots(cache.scope("t", boxes).key)}
+            assert snapshots and not os.listdir(boxes.directory / "boxes")
+            fill_bytes(tmp)
+            for i in range(MAX_SUSPECT_FAILURES + 1):
+                async with cache.rollout("t", boxes) as r:
+                    for query in PATH:
+                        assert (await sql(r, query)).hit
+                    with pytest.raises(SandboxError, match=r"could not open a sandbox: .*No space left"):
+                        await sql(r, f"SELECT count(*) + {i} FROM t")  # a restore, then a fresh sandbox: no room
+            assert {s.snapshot_id for s in await cache.store.snapshots(cache.scope("t", boxes).key)} == snapshots
+            free(tmp)
+            async with cache.rollout("t", boxes) as r:
+                for query in PATH:
+                    await sql(r, query)
+                assert (await sql(r, "SELECT count(*) FROM t")).output == "count(*)\n       2"
+            assert cache.stats()["restores"] == 1
+
+    with small_tmpfs("size=1m") as tmp:
+        run(main(tmp))
+
+
+def test_a_snapshot_that_found_no_room_is_tried_again_later(
+    db: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A snapshot that fails for want of room may succeed once room is freed. Before, the sandbox took no more
+    snapshots after it, as one whose backend cannot save its state; now it tries again after `NO_ROOM_RETRY`
+    seconds (not after every call: a full disk must not cost a failed copy per call)."""
+    monkeypatch.setattr(live, "NO_ROOM_RETRY", 0.5)
+
+    async def main(tmp: Path) -> None:
+        async with SQLiteSandboxes(db, tmp=tmp) as boxes, ToolCache() as cache, cache.rollout("t", boxes) as r:
+            await sql(r, "SELECT count(*) FROM t")  # makes the sandbox: a file of its own on the tmpfs
+            fill_bytes(tmp)
+            for query in PATH:  # the first snapshot fails, and the second call comes too soon to try
+                await sql(r, query)
+                await cache.flush()
+            assert cache.stats()["snapshots"] == 0
+            assert caplog.text.count("snapshot failed for want of room") == 1
+            free(tmp)
+            await asyncio.sleep(0.5)
+            await sql(r, SLOW_INSERT.format(300000))
+            await cache.flush()
+            assert cache.stats()["snapshots"] == 1
+
+    with caplog.at_level(logging.WARNING, logger="tvcache"), small_tmpfs("size=1m") as tmp:
+        run(main(tmp))
+
+
+def test_a_statement_refused_for_want_of_room_is_not_cached(db: Path, tmp_path: Path) -> None:
+    """An INSERT that fills the sandboxes' `tmp` gets SQLite's "database or disk is full", as it does uncached;
+    but the disk is the machine's, not the database's: the answer was cached as the statement's own, and once
+    room was freed a rollout in the same state got it again where uncached the INSERT succeeds."""
+    insert = (
+        "INSERT INTO t SELECT randomblob(3000) FROM "
+        "(WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 100) SELECT i FROM n)"
+    )
+
+    async def main(tmp: Path) -> None:
+        async with SQLiteSandboxes(db, tmp=tmp_path / "roomy") as oracle:
+            fresh = await oracle.create()
+            assert (await fresh.execute(ToolCall("sql", {"query": insert}))).output == "OK, 100 rows affected"
+        fill_bytes(tmp, leave=100_000)  # room for a third of the INSERT
+        async with SQLiteSandboxes(db, tmp=tmp) as boxes, ToolCache() as cache:
+            for want in ("Error: database or disk is full", "OK, 100 rows affected"):
+                async with cache.rollout("t", boxes) as r:
+                    res = await sql(r, insert)
+                    assert (res.output, res.hit) == (want, False)
+                free(tmp)
+
+    with small_tmpfs("size=1m") as tmp:
+        run(main(tmp))

@@ -12,7 +12,9 @@ deterministic, and the caller learns that the state it now holds is the sandbox'
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import sqlite3
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,7 +26,7 @@ from .policy import Reuse, Route, cheapest_route, should_snapshot, worth_leasing
 from .sandboxes.base import Outcome, Sandbox, SandboxBusy, SandboxError, Sandboxes, SnapshotGone, settled
 from .stores.base import Lease, StoreError
 
-__all__ = ["History", "LiveSandbox", "Step", "with_reads"]
+__all__ = ["History", "LiveSandbox", "Step", "no_room", "with_reads"]
 
 log = logging.getLogger("tvcache")
 
@@ -38,6 +40,10 @@ MAX_RESTORE_ATTEMPTS = 3
 #: Restores of one snapshot (each tried twice) that may fail, without the backend saying it is gone, before the
 #: snapshot is dropped from the graph and deleted: one transient failure must not lose a costly state.
 MAX_SUSPECT_FAILURES = 3
+
+#: Seconds a live sandbox waits, after a snapshot failed for want of room (a full disk or quota: the machine, which
+#: may pass, not the sandbox), before it tries another; a full `tmp` is not retried after every call.
+NO_ROOM_RETRY = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +103,7 @@ class LiveSandbox:
         self._depth = 0  # how many of the history's edges the sandbox has applied
         self._snapshot_depth = 0  # the deepest depth known to hold a snapshot (0: the fresh root)
         self._snapshot_failures = 0
+        self._no_room_until = 0.0  # no snapshot before then: the last one found no room (see NO_ROOM_RETRY)
         self._saving: asyncio.Task[None] | None = None  # a snapshot being taken after its call answered
 
     @property
@@ -191,7 +198,7 @@ class LiveSandbox:
         its end even if the rollout is cancelled or closed meanwhile: a snapshot the backend made is always either
         in the graph or deleted."""
         box = self._box
-        if box is None or self._snapshot_failures >= MAX_SNAPSHOT_FAILURES:
+        if box is None or self._snapshot_failures >= MAX_SNAPSHOT_FAILURES or time.monotonic() < self._no_room_until:
             return
         depth, base = len(self._history), self._snapshot_depth
         rebuild = self._history.seconds(depth, base) + (self._costs.restore if base else self._costs.create)
@@ -224,7 +231,12 @@ class LiveSandbox:
         try:
             snapshot_id = await box.snapshot()
         except SandboxError as exc:
-            # The backend's word that the sandbox is as it was (no room for a layer, say): keep it, save no more.
+            # The backend's word that the sandbox is as it was: keep it. Out of room, try again later (room may be
+            # freed); otherwise it cannot save this state: save no more.
+            if no_room(exc):
+                self._no_room_until = time.monotonic() + NO_ROOM_RETRY
+                log.warning("snapshot failed for want of room (%s); trying again in %g s", exc, NO_ROOM_RETRY)
+                return
             self._snapshot_failures = MAX_SNAPSHOT_FAILURES
             log.warning("snapshot failed (%s); this sandbox takes no more snapshots", exc)
             return
@@ -307,6 +319,8 @@ class LiveSandbox:
                 log.warning("snapshot %s is gone (%s); falling back", lease.snapshot_id, exc)
                 break
             except Exception as exc:
+                if no_room(exc):  # the machine's fault, not the snapshot's: it must not count against it
+                    raise _TakeAnotherRoute(f"no room to restore it: {exc}") from exc
                 log.warning("restore of snapshot %s failed (attempt %d: %s)", lease.snapshot_id, attempt, exc)
                 continue
             ctx.suspects.pop(lease.snapshot_id, None)
@@ -370,6 +384,21 @@ class LiveSandbox:
                 self._depth = target
                 return box, False
         return box, True
+
+
+def no_room(exc: BaseException) -> bool:
+    """Whether `exc` was caused by a full disk or quota (ENOSPC, EDQUOT; SQLite's "database or disk is full"),
+    anywhere in its chain of causes: the machine, which may pass, not the sandbox or the snapshot."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(cause, sqlite3.Error) and getattr(cause, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 class _TakeAnotherRoute(Exception):

@@ -14,7 +14,8 @@ rows. (SkyRL formats with pandas from a `frozenset` of the rows, which drops dup
 differently in every process; here rows keep SQLite's order, so outputs are deterministic, and rows past
 the truncation point are not even fetched.) A statement that returns no rows gives `OK` (DDL) or
 `OK, 3 rows affected` (INSERT/UPDATE/DELETE). An SQL error is an ordinary output, `Error: <message>`; only a
-timeout is an `error=True` outcome.
+timeout and `Error: database or disk is full` (the sandboxes' `tmp` is full: the machine, not the query, so it
+is never cached) are `error=True` outcomes.
 
 **Changed or not.** A call changed the state when the connection's `total_changes` moved, or the main
 file's change counter or schema cookie moved (DDL, ANALYZE and REINDEX change no rows), or the temp
@@ -632,14 +633,17 @@ class SQLiteSandbox(ManagedSandbox):
             finally:
                 cursor.close()
         except (sqlite3.Error, UnicodeError) as exc:
-            # Only the sandbox interrupts queries (a timeout, a cancelled caller, close()): a failure of the
-            # sandbox, not an answer to the query, so it must never be cached.
-            if self._timed_out or str(exc) == "interrupted":
+            # Only the sandbox interrupts queries (a timeout, a cancelled caller, close()), and a full disk is the
+            # machine's (no query can set max_page_count): failures of the sandbox, not answers to the query, so
+            # they must never be cached (a statement refused for want of room runs once room is freed).
+            full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+            if self._timed_out or str(exc) == "interrupted" or full:
                 why = f"timeout after {self._timeout:g} s" if self._timed_out else "interrupted"
                 changed = before != self._marker()
                 if changed:
                     self._versions = None
-                return Outcome(f"Error: {why}; the query was cancelled", changed=changed, error=True)
+                output = f"Error: {exc}" if full else f"Error: {why}; the query was cancelled"
+                return Outcome(output, changed=changed, error=True)
             output = f"Error: {exc}"
             self._seen.failed()
             if self._refused is not None and "authoriz" in str(exc):

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import logging
-from collections.abc import Coroutine
-from typing import Any
+import time
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
 
 from ..graph import Entry
 from ..stores.base import Store, StoreError, TaskInfo
@@ -55,12 +56,17 @@ __all__ = ["DEFAULT_MAX_BODY", "DEFAULT_READ_TIMEOUT", "DEFAULT_WAIT_CAP", "Cach
 
 log = logging.getLogger("tvcache.server")
 
+T = TypeVar("T")
+
 # A wait is answered (null: "ask again") after this long at most, so no request outlives a proxy's idle
 # timeout or holds a connection for an hour; the client's rollout simply looks up and waits again.
 DEFAULT_WAIT_CAP = 30.0
 SAMPLE_EVERY = 1.0
 # /healthz asks the store to answer within this long; a store that does not is reported down.
 HEALTH_TIMEOUT = 2.0
+# /healthz reports a failed write (a full disk fails writes while reads and pings go on) until a write succeeds,
+# or for this long: a load balancer that took the server out of rotation sends it no writes to succeed.
+WRITE_FAILURE_HOLD = 30.0
 
 _STATIC = {  # URL path -> (file in the package's static/ folder, content type)
     "/": ("index.html", b"text/html; charset=utf-8"),
@@ -106,6 +112,7 @@ class CacheApp(JSONApi):
         self.counters: Counters = counters
         self._wait_cap = wait_cap
         self.store = store
+        self._write_failed: tuple[float, StoreError] | None = None  # when the last write failed, and why
         self._static = {
             path: (importlib.resources.files(__package__).joinpath("static", name).read_bytes(), kind)
             for path, (name, kind) in _STATIC.items()
@@ -170,9 +177,19 @@ class CacheApp(JSONApi):
         self.counters.waited_hit(req.scope_key, entry.seconds)
         return WireEntry.of(entry)
 
+    async def _written(self, write: Awaitable[T]) -> T:
+        """`write`'s result; its failure is what /healthz reports until a write succeeds (see WRITE_FAILURE_HOLD)."""
+        try:
+            result = await write
+        except StoreError as exc:
+            self._write_failed = (time.monotonic(), exc)
+            raise
+        self._write_failed = None
+        return result
+
     async def _record(self, req: RecordRequest, receive: Receive) -> WireEntry:
-        winner = await self.store.record(
-            req.scope_key, req.node, req.digest, req.entry.entry(), req.token, reused=req.reused
+        winner = await self._written(
+            self.store.record(req.scope_key, req.node, req.digest, req.entry.entry(), req.token, reused=req.reused)
         )
         self.counters.records += 1
         self.counters.task(req.scope_key).records += 1
@@ -200,7 +217,9 @@ class CacheApp(JSONApi):
         await self.store.unlease(req.scope_key, req.token)
 
     async def _add_snapshot(self, req: AddSnapshotRequest, receive: Receive) -> list[str]:
-        doomed = await self.store.add_snapshot(req.scope_key, req.origin, req.path, req.snapshot_id, int(req.budget))
+        doomed = await self._written(
+            self.store.add_snapshot(req.scope_key, req.origin, req.path, req.snapshot_id, int(req.budget))
+        )
         self.counters.evictions += sum(1 for d in doomed if d != req.snapshot_id)
         return doomed
 
@@ -211,7 +230,7 @@ class CacheApp(JSONApi):
         return await self.store.snapshots(req.scope_key, req.origin)
 
     async def _register(self, req: RegisterRequest, receive: Receive) -> None:
-        await self.store.register(TaskInfo(req.scope_key, req.namespace, req.task, req.fingerprint))
+        await self._written(self.store.register(TaskInfo(req.scope_key, req.namespace, req.task, req.fingerprint)))
 
     async def _tasks(self, req: None, receive: Receive) -> Any:
         return await self.store.tasks()
@@ -223,11 +242,15 @@ class CacheApp(JSONApi):
         return self.counters.reply()
 
     async def _healthz(self, req: None, receive: Receive) -> HealthReply:
-        """200 while the store answers; 503 with the reason when it does not (a down Redis, a locked file)."""
+        """200 while the store answers and writes; 503 with the reason when it does not (a down Redis, a locked
+        file) or when its last write failed (a full disk), until a write succeeds or WRITE_FAILURE_HOLD passes."""
         try:
             await asyncio.wait_for(self.store.ping(), HEALTH_TIMEOUT)
         except TimeoutError:
             raise StoreError(f"the store did not answer a ping within {HEALTH_TIMEOUT:g} s") from None
+        failed = self._write_failed
+        if failed is not None and time.monotonic() - failed[0] < WRITE_FAILURE_HOLD:
+            raise StoreError(f"a write failed {time.monotonic() - failed[0]:.0f} s ago: {failed[1]}")
         return _HEALTHY
 
 
