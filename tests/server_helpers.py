@@ -340,6 +340,14 @@ def sandboxes() -> Any:
     return tvcache.PythonSandboxes(make=dict, run=_kv_with_extras(), fingerprint="kv-extras-v1")
 
 
+def sqlite_in_tmp(base: str) -> Any:
+    """SQLite sandboxes of the database `base` whose files live in $TVCACHE_TEST_TMP (a test's own small tmpfs):
+    what a sandbox server serves as `python:server_helpers:sqlite_in_tmp --base FILE`."""
+    import tvcache
+
+    return tvcache.SQLiteSandboxes(base, tmp=os.environ["TVCACHE_TEST_TMP"])
+
+
 # -- client processes --------------------------------------------------------------------------------------
 
 

@@ -40,9 +40,9 @@ from pidns import IN_A_PID_NAMESPACE
 from sandbox_oracle import check_snapshots_against_fresh_replay
 from shell_oracle import Listener, bash, cached_rollouts_wrong, out, random_command, rollout_plan, run, uncached
 from tvcache import SandboxError, ToolCall
-from tvcache.live import no_room
 from tvcache.sandboxes import docker as docker_module
 from tvcache.sandboxes import images
+from tvcache.sandboxes.base import no_room
 from tvcache.sandboxes.docker import DockerSandbox, DockerSandboxes, _pipeline, build_image
 from tvcache.sandboxes.docker._cpu import cpu_stat
 from tvcache.sandboxes.workspace import WorkspaceSandboxes

@@ -24,13 +24,14 @@ from typing import Any
 import pytest
 
 import kv
-from server_helpers import Server, request
+from server_helpers import SandboxServer, Server, request
 from shell_oracle import out, run
-from tvcache import SandboxError, ToolCache, live
+from tvcache import RemoteSandboxes, SandboxError, ToolCache, live
 from tvcache.calls import ToolCall
 from tvcache.graph import EDGE, Entry
 from tvcache.live import MAX_SUSPECT_FAILURES
 from tvcache.sandboxes._layers import copy_layer
+from tvcache.sandboxes.base import no_room
 from tvcache.sandboxes.python import PythonSandboxes
 from tvcache.sandboxes.sqlite import SQLiteSandboxes
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
@@ -389,3 +390,36 @@ def test_a_statement_refused_for_want_of_room_is_not_cached(db: Path, tmp_path: 
 
     with small_tmpfs("size=1m") as tmp:
         run(main(tmp))
+
+
+def test_a_sandbox_server_out_of_room_says_so_across_the_wire(
+    db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The errno of a full disk does not cross HTTP: a sandbox server answered a restore or snapshot that found no
+    room with the 502 of any backend failure, so its clients counted such restores against the snapshot. It answers
+    507 (Insufficient Storage) now, which `RemoteSandboxes` raises as a `SandboxError` the cache takes for the
+    machine's (`no_room`); once there is room the same snapshot restores."""
+
+    async def main(server: SandboxServer, tmp: Path) -> None:
+        async with RemoteSandboxes([server.url]) as boxes:
+            box = await boxes.create()
+            await box.execute(ToolCall("sql", {"query": "INSERT INTO t VALUES (1)"}))
+            snap = await box.snapshot()
+            fill_bytes(tmp)
+            await box.execute(ToolCall("sql", {"query": "INSERT INTO t VALUES (2)"}))  # a page it has: it fits
+            for make in (box.snapshot, lambda: boxes.restore(snap)):  # a copy of the file each: no room
+                with pytest.raises(SandboxError, match=r"answered \w+ with 507: .*No space left on device") as raised:
+                    await make()
+                assert no_room(raised.value)
+            free(tmp)
+            restored = await boxes.restore(snap)
+            assert (await restored.execute(ToolCall("sql", {"query": "SELECT count(*) FROM t"}))).output == (
+                "count(*)\n       1"
+            )
+
+    with small_tmpfs("size=1m") as tmp:
+        monkeypatch.setenv("TVCACHE_TEST_TMP", str(tmp))
+        sandbox = ["--sandbox", "python:server_helpers:sqlite_in_tmp", "--base", str(db)]
+        with SandboxServer(tmp_path, sandbox) as server:
+            run(main(server, tmp))
+        assert "Traceback" not in server.log()

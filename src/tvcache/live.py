@@ -12,9 +12,7 @@ deterministic, and the caller learns that the state it now holds is the sandbox'
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import sqlite3
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,10 +21,19 @@ from .calls import ToolCall
 from .context import Context, Factory
 from .graph import child_id, decode_output, encode_output
 from .policy import Reuse, Route, cheapest_route, should_snapshot, worth_leasing
-from .sandboxes.base import Outcome, Sandbox, SandboxBusy, SandboxError, Sandboxes, SnapshotGone, settled
+from .sandboxes.base import (
+    Outcome,
+    Sandbox,
+    SandboxBusy,
+    SandboxError,
+    Sandboxes,
+    SnapshotGone,
+    no_room,
+    settled,
+)
 from .stores.base import Lease, StoreError
 
-__all__ = ["History", "LiveSandbox", "Step", "no_room", "with_reads"]
+__all__ = ["History", "LiveSandbox", "Step", "with_reads"]
 
 log = logging.getLogger("tvcache")
 
@@ -384,21 +391,6 @@ class LiveSandbox:
                 self._depth = target
                 return box, False
         return box, True
-
-
-def no_room(exc: BaseException) -> bool:
-    """Whether `exc` was caused by a full disk or quota (ENOSPC, EDQUOT; SQLite's "database or disk is full"),
-    anywhere in its chain of causes: the machine, which may pass, not the sandbox or the snapshot."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if isinstance(cause, sqlite3.Error) and getattr(cause, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
-            return True
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return False
 
 
 class _TakeAnotherRoute(Exception):

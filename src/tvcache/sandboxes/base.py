@@ -8,6 +8,8 @@ backend can run its work in threads, subprocesses or over the network without bl
 from __future__ import annotations
 
 import asyncio
+import errno
+import sqlite3
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
@@ -26,6 +28,7 @@ __all__ = [
     "Sandboxes",
     "SnapshotGone",
     "ToolError",
+    "no_room",
     "refusal",
     "settled",
 ]
@@ -129,7 +132,8 @@ class Sandboxes(Protocol):
 
     async def restore(self, snapshot_id: str) -> Sandbox:
         """A new sandbox in the snapshot's state; raises `SnapshotGone` if the snapshot no longer exists (any
-        other exception is taken as a failure that may pass, and the snapshot is kept for a while)."""
+        other exception is taken as a failure that may pass, and the snapshot is kept for a while; one for want of
+        room, see `no_room`, does not count against it at all)."""
         ...
 
     async def delete(self, snapshot_id: str) -> None:
@@ -146,3 +150,20 @@ class BaseDigests(Protocol):
         """The digest of each of `keys` in the starting state, in the terms of `Outcome.reads` ("" for absent).
         A key left out matches nothing."""
         ...
+
+
+def no_room(exc: BaseException) -> bool:
+    """Whether `exc` was caused by a full disk or quota (ENOSPC, EDQUOT; SQLite's "database or disk is full"),
+    anywhere in its chain of causes: the machine, which may pass, not the sandbox or the snapshot. The cache does
+    not count a restore that failed so against the snapshot, and tries a snapshot that failed so again later; a
+    backend raises its `SandboxError` `from` the error to say so."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(cause, sqlite3.Error) and getattr(cause, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False

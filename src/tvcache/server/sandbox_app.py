@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..calls import ToolCall
-from ..sandboxes.base import Sandboxes
+from ..sandboxes.base import Sandboxes, no_room
 from ..sandboxes.remote.wire import (
     BaseDigestsRequest,
     CreateRequest,
@@ -72,6 +72,7 @@ _ERRORS = {
     "tool, a missing argument).",
     "429": "The server holds its maximum of live sandboxes; try another server or close some.",
     "502": "The sandbox backend failed (raised, or hung past the call timeout); the message says how.",
+    "507": "The sandbox backend failed for want of room (a full disk or quota: ENOSPC, EDQUOT), which may pass.",
 }
 _REFUSALS: dict[type[Exception], int] = {
     UnknownId: 404,
@@ -121,6 +122,8 @@ class SandboxApp(JSONApi):
         status = _REFUSALS.get(type(exc))
         if status is None:
             return super()._failure(exc)
+        if status == 502 and no_room(exc):  # the errno does not cross the wire: the status says it
+            status = 507
         return HTTPError(status, str(exc))
 
     # -- the operations: one per endpoint, named as in remote.wire.SANDBOX_ENDPOINTS ----------------------

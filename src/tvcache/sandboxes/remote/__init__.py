@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import hashlib
 import logging
 import random
@@ -339,6 +340,8 @@ class RemoteSandboxes:
                 raise ToolError(exc.message) from None  # refused before it ran; the message is for the model
             if name == "restore" and exc.status == 404:
                 raise SnapshotGone(message) from None
+            if exc.status == 507:  # no room on the server: its OSError, for `no_room` here as there
+                raise _Refused(exc.status, message) from OSError(errno.ENOSPC, exc.message)
             raise _Refused(exc.status, message) from None
         except Invalid as exc:
             raise SandboxError(f"sandbox server {server.url} sent an invalid {name} reply: {exc}") from exc
