@@ -30,25 +30,26 @@ def run(*argv: str | Path, cwd: Path, env: dict[str, str] | None = None) -> subp
     return result
 
 
-def build_wheel(tmp_path: Path) -> Path:
-    """The wheel of this checkout, built offline into `tmp_path`/dist."""
-    dist = tmp_path / "dist"
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel of this checkout, built offline once for the file's tests (neither changes it)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    dist = tmp / "dist"
     pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q"]
-    run(*pip, "-w", dist, ROOT, cwd=tmp_path)
-    (wheel,) = dist.glob("tvcache-*.whl")
-    return wheel
+    run(*pip, "-w", dist, ROOT, cwd=tmp)
+    (built,) = dist.glob("tvcache-*.whl")
+    return built
 
 
-def test_the_redis_stores_lua_scripts_are_package_data_of_the_wheel(tmp_path: Path) -> None:
+def test_the_redis_stores_lua_scripts_are_package_data_of_the_wheel(wheel: Path) -> None:
     scripts = {p.name for p in (ROOT / "src" / "tvcache" / "stores" / "redis_lua").glob("*.lua")}
     assert len(scripts) >= 12
-    names = zipfile.ZipFile(build_wheel(tmp_path)).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
     assert {n.rpartition("/")[2] for n in names if n.startswith("tvcache/stores/redis_lua/")} == scripts
 
 
 @pytest.mark.slow
-def test_the_installed_wheel_runs_the_main_job_from_an_empty_directory(tmp_path: Path) -> None:
-    wheel = build_wheel(tmp_path)
+def test_the_installed_wheel_runs_the_main_job_from_an_empty_directory(wheel: Path, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--system-site-packages", venv, cwd=tmp_path)
     run(venv / "bin" / "python", "-m", "pip", "install", "--no-index", "-q", f"{wheel}[bench]", cwd=tmp_path)
