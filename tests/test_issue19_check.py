@@ -510,6 +510,7 @@ class Slowloris:
     def __init__(self, port: int, connections: int):
         self.port, self.connections = port, connections
         self.stop = threading.Event()
+        self.connected = threading.Event()  # every connection was tried
         self.opened = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -531,6 +532,7 @@ class Slowloris:
             s.setblocking(False)
             socks.append((s, heads[i % 3]))
             self.opened += 1
+        self.connected.set()
         sent = 0
         while not self.stop.wait(1.0):
             sent += 1
@@ -567,7 +569,7 @@ def test_a_slowloris_leaves_95_percent_of_legitimate_requests_served(
         attack = Slowloris(server.port, 1100)
         attack.thread.start()
         try:
-            time.sleep(3)  # the attack's connections are open
+            assert attack.connected.wait(60)  # the attack's connections are open (they take under a second)
             served = sum(_healthy(server.port) for _ in range(40) if time.sleep(0.2) is None)
         finally:
             attack.stop.set()
