@@ -1,4 +1,5 @@
-"""What every test shares: the `serial` and `slow` marks, for the default run's two pytest-xdist workers.
+"""What every test shares: the `serial` and `slow` marks, for the default run's two pytest-xdist workers, and a heap
+frozen at each test file's start (`pytest_runtest_setup`).
 
 The default run (`python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder`, docs/development.md) runs
 two test files at once, one per worker, the files with a `slow` test first. Nearly every test owns what it touches
