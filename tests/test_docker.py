@@ -639,3 +639,22 @@ def test_fingerprint_is_the_image_and_the_settings(task_image: str, docker_base:
     assert fingerprint(task_image, network=True) != same
     assert fingerprint(task_image, env={"X": "1"}) != same
     assert fingerprint(docker_base) != same
+
+
+def test_a_missing_file_of_the_factory_is_not_called_an_unreachable_daemon() -> None:
+    """A snapshot's layer removed behind the factory's back fails its copy with FileNotFoundError, which the
+    messages called "the Docker daemon is unreachable"; a missing daemon socket is aiodocker's error 900."""
+    lost = _pipeline.describe(FileNotFoundError(2, "No such file or directory", "/layers/7"))
+    assert "unreachable" not in lost and "/layers/7" in lost, lost
+
+    async def no_socket() -> str:
+        docker = _pipeline.client("unix:///nonexistent/docker.sock")
+        try:
+            await docker.images.inspect("tvcache-anything")
+        except Exception as exc:
+            return _pipeline.describe(exc)
+        finally:
+            await docker.close()
+        raise AssertionError("a daemon answered on a socket that does not exist")
+
+    assert "the Docker daemon is unreachable" in asyncio.run(no_socket())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sqlite3
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,21 @@ def test_a_path_made_removed_or_renamed_clears_what_was_below_it() -> None:
     assert asyncio.run(choose([read_dx], w.known, base)) is read_dx  # /dx is not below /d
     w.apply({"path:/d/x": "X"})
     assert asyncio.run(choose([read_x], w.known, base)) is read_x
+
+
+def test_a_key_whose_path_starts_with_two_slashes_is_walked_as_linux_reads_it() -> None:
+    """A sandbox may name a path `//d/x` (Linux reads it as `/d/x`). posixpath keeps a leading `//`, its own dirname,
+    so walking such a key up to `/` looped forever on the event loop (every rollout of the process froze)."""
+    starting = {"path://d/x": "X", "path://e/x": "Y"}
+    state = {"below:/d": ""}
+    keys = ["path://d/x", "path://e/x", "path:///e//x/"]
+    found: list[str | None] = []
+    walk = threading.Thread(target=lambda: found.extend(digest_in(k, state, starting) for k in keys), daemon=True)
+    walk.start()
+    walk.join(10)  # a loop that never ends fails the test instead of hanging the run
+    assert not walk.is_alive(), "digest_in never returned"
+    # Below /d, which was removed; not below it; not in the starting state (matches nothing).
+    assert found == ["", "Y", None]
 
 
 # -- rollouts -------------------------------------------------------------------------------------------------

@@ -160,6 +160,9 @@ def _cleared(key: str, gone: Collection[str]) -> bool:
     path = _path(key)
     if not gone or not path.startswith("/"):
         return False
+    # Linux reads any number of leading slashes as one; posixpath keeps two ("//" is its own dirname: the walk up
+    # below would never reach "/").
+    path = "/" + path.lstrip("/")
     # A normalised path's parent is what precedes its last slash: the same as posixpath.dirname, several times
     # faster over a deep tree's keys (thousands of levels each). Anything else takes dirname.
     normal = "//" not in path and not path.endswith("/")

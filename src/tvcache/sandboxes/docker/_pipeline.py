@@ -50,7 +50,7 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def describe(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.ClientConnectorError | FileNotFoundError | ConnectionRefusedError):
+    if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):  # (a missing socket: DockerError 900)
         return f"the Docker daemon is unreachable ({exc})"
     if isinstance(exc, aiodocker.DockerError) and exc.status == 900:  # aiodocker's "cannot connect"
         return f"the Docker daemon is unreachable ({exc.message})"
