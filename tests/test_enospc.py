@@ -26,6 +26,7 @@ import pytest
 import kv
 from server_helpers import SandboxServer, Server, request
 from shell_oracle import out, run
+from test_workspace import small_base
 from tvcache import RemoteSandboxes, SandboxError, ToolCache, live
 from tvcache.calls import ToolCall
 from tvcache.graph import EDGE, Entry
@@ -177,15 +178,8 @@ def test_a_server_on_a_full_disk_answers_its_store_error(tmp_path: Path) -> None
 
 @pytest.fixture
 def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="tvcache-enospc-base-", dir="/dev/shm"))
-    (path / "README").write_text("the readme\n")
-    (path / "data").mkdir()
-    for name in ("a.txt", "b.txt"):
-        (path / "data" / name).write_text(f"{name} from base\n")
-    try:
+    with small_base() as path:
         yield path
-    finally:
-        subprocess.run(["rm", "-rf", str(path)], check=False)
 
 
 def test_a_layer_copy_with_no_room_for_an_xattr_fails() -> None:
