@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import sqlite3
+import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
@@ -162,8 +162,9 @@ def no_room(exc: BaseException) -> bool:
     while cause is not None and id(cause) not in seen:
         if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(cause, sqlite3.Error) and getattr(cause, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
-            return True
+        sqlite = sys.modules.get("sqlite3")  # not imported yet: no error of SQLite's to find, and none to import
+        if sqlite is not None and isinstance(cause, sqlite.Error) and getattr(cause, "sqlite_errorcode", 0) == 13:
+            return True  # SQLITE_FULL
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     return False
