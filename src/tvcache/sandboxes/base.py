@@ -157,12 +157,12 @@ def no_room(exc: BaseException) -> bool:
     anywhere in its chain of causes: the machine, which may pass, not the sandbox or the snapshot. The cache does
     not count a restore that failed so against the snapshot, and tries a snapshot that failed so again later; a
     backend raises its `SandboxError` `from` the error to say so."""
+    sqlite = sys.modules.get("sqlite3")  # not imported yet: no error of SQLite's to find, and none to import
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        sqlite = sys.modules.get("sqlite3")  # not imported yet: no error of SQLite's to find, and none to import
         if sqlite is not None and isinstance(cause, sqlite.Error) and getattr(cause, "sqlite_errorcode", 0) == 13:
             return True  # SQLITE_FULL
         seen.add(id(cause))
