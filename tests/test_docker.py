@@ -24,6 +24,8 @@ import pytest
 pytest.importorskip("aiodocker", reason="the docker extra is not installed (pip install -e '.[docker]')")
 
 # docker_base, task_image and second_daemon are fixtures, asked for by name below.
+import aiodocker
+
 import bad_calls
 import tvcache
 from docker_env import (  # noqa: F401
@@ -658,3 +660,33 @@ def test_a_missing_file_of_the_factory_is_not_called_an_unreachable_daemon() -> 
         raise AssertionError("a daemon answered on a socket that does not exist")
 
     assert "the Docker daemon is unreachable" in asyncio.run(no_socket())
+
+
+@pytest.mark.parametrize("how", ["failed", "cancelled"])
+def test_a_pause_that_froze_the_container_and_then_failed_is_undone(task_image: str, how: str) -> None:
+    """A snapshot pauses the container while it copies its files. A pause request that froze the container and
+    then failed (a retried request, a timeout) or whose snapshot was cancelled meanwhile left it frozen, and every
+    later exec got "is paused" (a remote-docker run of tests/test_issue19_check.py failed so once). The daemon
+    freezing and then the request failing cannot be caused on demand: the test wraps the real pause, after it took
+    effect, with the failure or a cancellation."""
+
+    async def main() -> None:
+        async with DockerSandboxes(task_image) as boxes:
+            box = await boxes.create()
+            await bash(box, "echo one > /testbed/f")
+            real = box.container.pause
+
+            async def pause_then_fail() -> None:
+                await real()
+                if how == "cancelled":
+                    raise asyncio.CancelledError
+                raise aiodocker.DockerError(409, {"message": "stand-in: the request failed after the pause"})
+
+            box.container.pause = pause_then_fail
+            with pytest.raises(SandboxError if how == "failed" else asyncio.CancelledError):
+                await box.snapshot()
+            box.container.pause = real
+            assert await out(box, "cat /testbed/f") == "one\n"  # not frozen: the exec runs
+            await boxes.restore(await box.snapshot())  # and the next snapshot works
+
+    run(main())

@@ -431,15 +431,25 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
 
     async def _copy_out(self, container: Any, upper: str) -> str:
         """Copy the upper dir of `container` into a new snapshot layer, with the container paused (frozen)."""
-        dest = str(self._layers / self._new_id())
-        await self._pipeline.run(f"pausing container {container.id[:12]}", container.pause)
+        dest, name = str(self._layers / self._new_id()), container.id[:12]
+        paused = False
         try:
-            await asyncio.to_thread(copy_layer, upper, dest)
-        except OSError as exc:  # TreeChanged: something changed the files under the copy
-            await asyncio.to_thread(remove_tree, dest)
-            raise SandboxError(f"docker: copying container {container.id[:12]}'s files failed: {exc}") from exc
+            await self._pipeline.run(f"pausing container {name}", container.pause)
+            paused = True
+            try:
+                await asyncio.to_thread(copy_layer, upper, dest)
+            except OSError as exc:  # TreeChanged: something changed the files under the copy
+                await asyncio.to_thread(remove_tree, dest)
+                raise SandboxError(f"docker: copying container {name}'s files failed: {exc}") from exc
         finally:
-            await self._pipeline.run(f"unpausing container {container.id[:12]}", container.unpause)
+            # Also after a pause that failed, timed out or was cancelled: the daemon may have frozen the container
+            # all the same, and a frozen container refuses every later exec ("is paused"). Unpausing one that is not
+            # paused fails (409), which then says nothing.
+            try:
+                await asyncio.shield(self._pipeline.run(f"unpausing container {name}", container.unpause))
+            except SandboxError:
+                if paused:
+                    raise
         return dest
 
 
