@@ -57,7 +57,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from ..calls import ToolCall
-from .base import Outcome, SandboxError, refusal
+from .base import Outcome, SandboxError, no_room, refusal
 from .lifecycle import ManagedSandbox, ManagedSandboxes
 from .reclaim import scratch_dir
 
@@ -636,7 +636,7 @@ class SQLiteSandbox(ManagedSandbox):
             # Only the sandbox interrupts queries (a timeout, a cancelled caller, close()), and a full disk is the
             # machine's (no query can set max_page_count): failures of the sandbox, not answers to the query, so
             # they must never be cached (a statement refused for want of room runs once room is freed).
-            full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+            full = no_room(exc)
             if self._timed_out or str(exc) == "interrupted" or full:
                 why = f"timeout after {self._timeout:g} s" if self._timed_out else "interrupted"
                 changed = before != self._marker()
