@@ -29,7 +29,7 @@ inode, size, mtime, ctime, mode; an empty one in microseconds), so a call that w
 working directory and exports alone is a memo without annotation.
 
 **CPU.** Each command's `Outcome.cpu_seconds` is the CPU time the container's processes used during it, read
-from the container's cgroup2 `cpu.stat` before and after (see _cpu); None where that group is not on this machine
+from the container's cgroup2 `cpu.stat` before and after (see _cgroup); None where that group is not on this machine
 (a remote or rootless daemon).
 
 **Snapshots are invisible**: a restored container shows exactly the files the container that took the snapshot
@@ -38,7 +38,7 @@ packs the diff into a tar (losing sockets, `user.*` xattrs and sub-second times)
 layer, over which overlayfs shows another size, link count and listing order for every directory written on
 both sides of it. A snapshot copies the container's upper dir (its writable layer) instead, with the
 workspace's copy (`_layers.copy_layer`: relative to directory descriptors, never following a symlink, so a
-racing command cannot get host files into it) while the container is paused (the cgroup freezer), into
+racing command cannot get host files into it) while the container's processes are frozen (see _cgroup), into
 `tmp` (by default the daemon's data root: a copy keeps each directory's listing order only from and to one
 filesystem); a restore creates a container of the image and copies the snapshot into its empty upper dir before
 starting it, so every container is the image's layers plus one upper dir, as an uncached one is. Snapshots
@@ -74,7 +74,7 @@ import os
 import stat
 import tarfile
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -97,7 +97,7 @@ from .._threads import in_own_thread
 from ..base import Outcome, SandboxError
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
 from ..reclaim import scratch_dir
-from ._cpu import cpu_stat
+from ._cgroup import frozen, group_of
 from ._exec import kill_everything, run_bash
 from ._pipeline import Pipeline, client, describe, inspect_image
 from ._run import RUN_LABEL, new_run, reap_dead_runs, remove_run
@@ -429,18 +429,27 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         await box._observe()  # a restored upper dir's listing, so the first call is not taken for a change
         return box
 
-    async def _copy_out(self, container: Any, upper: str) -> str:
-        """Copy the upper dir of `container` into a new snapshot layer, with the container paused (frozen)."""
+    async def _copy_out(self, container: Any, upper: str, group: Path | None) -> str:
+        """Copy the upper dir of `container` into a new snapshot layer, with its processes frozen: through its
+        cgroup2 `group` (see _cgroup) where it is on this machine, else through the daemon's pause."""
         dest, name = str(self._layers / self._new_id()), container.id[:12]
-        paused = False
-        try:
-            await self._pipeline.run(f"pausing container {name}", container.pause)
-            paused = True
+        async with frozen(group) if group is not None else self._paused(container):
             try:
                 await asyncio.to_thread(copy_layer, upper, dest)
             except OSError as exc:  # TreeChanged: something changed the files under the copy
                 await asyncio.to_thread(remove_tree, dest)
                 raise SandboxError(f"docker: copying container {name}'s files failed: {exc}") from exc
+        return dest
+
+    @contextlib.asynccontextmanager
+    async def _paused(self, container: Any) -> AsyncIterator[None]:
+        """The container paused by the daemon. Under load the daemon can refuse an exec right after the unpause
+        returned ("is paused"; see _cgroup), so this is only where the container's cgroup is not on this machine."""
+        name, paused = container.id[:12], False
+        try:
+            await self._pipeline.run(f"pausing container {name}", container.pause)
+            paused = True
+            yield
         finally:
             # Also after a pause that failed, timed out or was cancelled: the daemon may have frozen the container
             # all the same, and a frozen container refuses every later exec ("is paused"). Unpausing one that is not
@@ -450,7 +459,6 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
             except SandboxError:
                 if paused:
                     raise
-        return dest
 
 
 async def _image_and_root(docker: aiodocker.Docker, image: str) -> tuple[dict[str, Any], str | None]:
@@ -523,7 +531,8 @@ class DockerSandbox(ManagedSandbox):
         self._info = info
         self._upper = _local_dir(info, "UpperDir")
         self._merged = _local_dir(info, "MergedDir")
-        self._cpu_stat = cpu_stat(info)
+        self._group = group_of(info)
+        self._cpu_stat = None if self._group is None else self._group / "cpu.stat"
         self._listing: str | None = None
         """The upper dir's listing at the last look; None while it is empty."""
         self._dead: str | None = None
@@ -642,7 +651,7 @@ class DockerSandbox(ManagedSandbox):
                     "storage driver)"
                 )
             # Even an empty upper dir is copied: its root's times are what `stat /` shows.
-            layer = await self._f._copy_out(self.container, self._upper)
+            layer = await self._f._copy_out(self.container, self._upper, self._group)
             times = await asyncio.to_thread(_times_of, self._info)
             return self._f._keep(_Snapshot(layer, self._state, times))
 
