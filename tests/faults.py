@@ -42,6 +42,7 @@ class FaultyBox:
     async def close(self) -> None:
         assert not self.closed, "sandbox closed twice"
         self.closed = True
+        await asyncio.sleep(self.factory.close_delay)  # what removing a container costs
         self.factory.open.discard(self)
         await self.inner.close()
 
@@ -52,6 +53,7 @@ class FaultySandboxes:
         self.fault: Callable[[ToolCall], str | None] | None = None
         self.snapshot_gate: asyncio.Event | None = None
         self.snapshot_delay = 0.0
+        self.close_delay = 0.0
         self.open: set[FaultyBox] = set()
         self.deleted: list[str] = []
         self.snapshots: list[str] = []  # every snapshot its sandboxes made

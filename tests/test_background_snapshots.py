@@ -102,6 +102,7 @@ def test_a_rollout_cancelled_during_its_snapshot_leaks_nothing() -> None:
     async def main() -> None:
         boxes = FaultySandboxes(kv.sandboxes())
         boxes.snapshot_gate = gate = asyncio.Event()
+        boxes.close_delay = 0.2
         answered = asyncio.Event()
 
         async def rollout(cache: tvcache.ToolCache) -> None:
@@ -119,11 +120,7 @@ def test_a_rollout_cancelled_during_its_snapshot_leaks_nothing() -> None:
                 await task
             assert len(boxes.open) == 1  # held by the snapshot under way, closed once it is done
             gate.set()
-            await asyncio.wait_for(cache.flush(), GUARD)
-            for _ in range(100):  # the sandbox is closed by a cleanup task right after the snapshot
-                if not boxes.open:
-                    break
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(cache.flush(), GUARD)  # the snapshot, and the sandbox's close after it
             assert not boxes.open and len(boxes.snapshots) == 1 and cache.stats()["snapshots"] == 1
             async with cache.rollout("t", boxes, kv.TOOLS) as r:  # the snapshot is usable: restored, not rebuilt
                 assert (await r.call(*WRITES[0])).hit

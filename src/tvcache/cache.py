@@ -164,12 +164,13 @@ class ToolCache:
         return self._ctx.stats.as_dict()
 
     async def flush(self) -> None:
-        """Wait until every snapshot taken after its call answered is saved and recorded (or has failed), and every
-        result whose read set was worked out after its answer is kept for other states, also those started
-        meanwhile. For exact `stats()`; training need not call it."""
-        saving, keeping = self._ctx.saving, self._ctx.keeping
-        while saving or keeping:
-            await asyncio.wait([*saving, *keeping])
+        """Wait until every snapshot taken after its call answered is saved and recorded (or has failed), the
+        sandbox of a rollout that ended meanwhile is closed, and every result whose read set was worked out after
+        its answer is kept for other states, also those started meanwhile. For exact `stats()`; training need not
+        call it."""
+        saving, finishing = self._ctx.saving, self._ctx.finishing
+        while saving or finishing:
+            await asyncio.wait([*saving, *finishing])
 
     async def prefetch(self, tasks: Iterable[str], sandboxes: Sandboxes, rollouts: int = 8) -> asyncio.Task[int]:
         """Warm sandboxes for the next step's tasks, in the background: up to `rollouts` fresh ones per task

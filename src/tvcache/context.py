@@ -136,8 +136,9 @@ class Context:
     #: Snapshots being taken after their call answered (`LiveSandbox.maybe_snapshot`): the scope key and node of
     #: each, for misses that would rather wait for one than rebuild its state, and for `ToolCache.flush`.
     saving: dict[asyncio.Task[None], tuple[str, bytes]] = field(default_factory=dict)
-    #: Candidates being made after their call answered (`Rollout._keep_later`), for `ToolCache.flush`.
-    keeping: set[asyncio.Task[None]] = field(default_factory=set)
+    #: Work after an answer that `ToolCache.flush` waits for (`finish_later`): candidates being made
+    #: (`Rollout._keep_later`), sandboxes closed once their snapshot is taken (`LiveSandbox.drop`).
+    finishing: set[asyncio.Task[None]] = field(default_factory=set)
     #: The rollouts not closed yet, closed with the cache.
     rollouts: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     closed: bool = False
@@ -146,6 +147,10 @@ class Context:
         #: Whether the store's claiming lookups take their claim in this process, after their last `await`
         #: (memory, SQLite), so a cancelled lookup cannot have taken one.
         self.claims_in_process = isinstance(self.store, EmbeddedEntries)
+
+    def finish_later(self, task: asyncio.Task[None]) -> None:
+        self.finishing.add(task)
+        task.add_done_callback(self.finishing.discard)
 
     def reuse(self, scope_key: str) -> Reuse:
         """The task's `Reuse`, made on first use; the least recently used task's is forgotten past `MAX_REUSES`."""

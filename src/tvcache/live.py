@@ -281,7 +281,7 @@ class LiveSandbox:
         if box is None:
             return
         if saving is not None and not saving.done():
-            self._ctx.tasks.cleanup_soon(_close_after(saving, box))
+            self._ctx.finish_later(self._ctx.tasks.cleanup_soon(_close_after(saving, box)))
         else:
             await self._ctx.tasks.cleanup(box.close())
 

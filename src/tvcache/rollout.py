@@ -411,9 +411,7 @@ class Rollout:
                 made = await candidate
             await self._keep(call, made)
 
-        keeping = ctx.tasks.spawn(keep())
-        ctx.keeping.add(keeping)
-        keeping.add_done_callback(ctx.keeping.discard)
+        ctx.finish_later(ctx.tasks.spawn(keep()))
 
     async def _keep(self, call: ToolCall, candidate: Candidate | None) -> None:
         """Keep a result with what it read (and wrote), for rollouts in other states."""

@@ -64,9 +64,9 @@ class TaskGroup:
         """Run `work` to its end even if the caller is cancelled; log, never raise, its failure."""
         await asyncio.shield(self.spawn(_quietly(work)))
 
-    def cleanup_soon(self, work: Awaitable[Any]) -> None:
+    def cleanup_soon(self, work: Awaitable[Any]) -> asyncio.Task[None]:
         """`cleanup` without waiting for it (`join` does)."""
-        self.spawn(_quietly(work))
+        return self.spawn(_quietly(work))
 
     def cancel_background(self) -> None:
         for task in list(self._background):
