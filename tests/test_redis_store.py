@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
 pytest.importorskip("redis", reason="the redis package (redis-py) is not installed")
 
@@ -213,6 +214,54 @@ def test_a_frozen_server_raises_store_error_after_the_socket_timeout(doomed_serv
         await store.close()
 
     asyncio.run(main())
+
+
+# A script that keeps the server busy for a second (a stand-in for any slow command another client sends).
+SPIN = (
+    "local t = redis.call('TIME'); local e = t[1] * 1e6 + t[2] + 1e6; "
+    "repeat t = redis.call('TIME') until t[1] * 1e6 + t[2] >= e"
+)
+
+
+@pytest.mark.parametrize("how", ["timed out", "cancelled"])
+def test_a_claim_taken_by_a_lookup_whose_answer_was_lost_is_given_back(doomed_server: RedisServer, how: str) -> None:
+    """A claiming lookup runs on the server, and then its answer waits behind another client's slow command: the
+    caller times out, or is cancelled, and the claim stays taken. Nobody would release it: everyone else making the
+    call waited out the claim's ttl (30 s) before executing it. The store now gives such a claim back, after a round
+    trip on its key. (The server is paused while both commands are sent, so that it runs them in that order.)"""
+    url = doomed_server.url + "?socket_timeout=0.5"
+
+    async def main() -> Claim | Any:
+        store, other = RedisStore(url), RedisStore(url)
+        spinner = aioredis.Redis.from_url(doomed_server.url)
+        for connected in (store, other):  # before the pause
+            await connected.lookup(SCOPE, NODE, DIGEST)
+        await spinner.ping()
+        doomed_server.pause()
+        try:
+            lookup = asyncio.create_task(store.lookup(SCOPE, NODE, DIGEST, claim=30.0))
+            await asyncio.sleep(0.1)
+            spin = asyncio.create_task(spinner.eval(SPIN, 0))
+            await asyncio.sleep(0.1)
+        finally:
+            doomed_server.resume()
+        if how == "cancelled":
+            await asyncio.sleep(0.1)  # the lookup has run; its answer waits behind the script
+            lookup.cancel()
+        with pytest.raises(asyncio.CancelledError if how == "cancelled" else StoreError):
+            await lookup
+        await spin
+        for _ in range(50):  # given back within a few round trips, far within the claim's 30 s
+            found = await other.lookup(SCOPE, NODE, DIGEST, claim=30.0)
+            if not (isinstance(found, Claim) and found.token is None):
+                break
+            await asyncio.sleep(0.1)
+        for closing in (store, other, spinner):
+            await closing.aclose() if closing is spinner else await closing.close()
+        return found
+
+    found = asyncio.run(main())
+    assert isinstance(found, Claim) and found.token is not None
 
 
 def test_bad_urls_and_scopes_are_refused(server: RedisServer) -> None:

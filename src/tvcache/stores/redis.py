@@ -63,6 +63,7 @@ from redis.asyncio.connection import ConnectionPool, SSLConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..graph import MAX_CANDIDATES, Candidate, Entry, decode_candidate, encode_candidate
 from .base import Claim, GraphExport, Lease, SnapshotRecord, StoreError, TaskInfo, export_entries
@@ -73,6 +74,7 @@ log = logging.getLogger("tvcache")
 
 CONNECT_TIMEOUT = 1.0  # seconds; an unreachable server must fail fast, the cache then executes directly
 SOCKET_TIMEOUT = 5.0  # a reply taking longer means the server is stuck: also a failure
+GIVE_BACK_PAUSE = 0.5  # seconds between tries to release a claim a failed lookup may have taken
 WAKE_SECONDS = 10  # how long a wake list outlives its push; far above one round trip
 MAX_SECONDS = 10 * 365 * 86400.0  # longer claims and leases are clamped to this: Redis expiries are bounded
 
@@ -204,6 +206,7 @@ class RedisStore:
         self._tasks_key = f"{prefix}:tasks"
         self._connection: _Connection | None = None
         self._durability_checked = False
+        self._giving_back: set[asyncio.Task[None]] = set()
 
     # -- connections -------------------------------------------------------------------------------------
 
@@ -302,14 +305,36 @@ class RedisStore:
         field = node + digest
         claim_ms = _ms(claim) if claim > 0 else 0
         token = secrets.token_hex(8) if claim_ms else ""
-        found = await self._eval(
-            _LOOKUP, (keys.entries, keys.hits, f"{keys.prefix}claim:{field.hex()}"), (field, claim_ms, token)
-        )
+        try:
+            found = await self._eval(
+                _LOOKUP, (keys.entries, keys.hits, f"{keys.prefix}claim:{field.hex()}"), (field, claim_ms, token)
+            )
+        except BaseException as exc:
+            if token and _may_have_run(exc):  # then it may have taken the claim
+                task = asyncio.get_running_loop().create_task(self._give_back(scope_key, node, digest, token, claim))
+                self._giving_back.add(task)
+                task.add_done_callback(self._giving_back.discard)
+            raise
         if isinstance(found, bytes):
             return self._entry(found)
         if found is None:
             return None
         return Claim(token if found == 1 else None)
+
+    async def _give_back(self, scope_key: str, node: bytes, digest: bytes, token: str, ttl: float) -> None:
+        """Release the claim a failed lookup may have taken, so that others making the call need not wait out its
+        ttl. First a round trip on the claim's key: a lookup the server still holds (it was stuck, or the answer
+        was lost on the way) is done by then, so the release cannot overtake it. Tried until the claim would have
+        expired anyway; the release does nothing to a claim that is not ours."""
+        claim = f"{self._scope(scope_key).prefix}claim:{(node + digest).hex()}"
+        deadline = time.monotonic() + ttl
+        while time.monotonic() < deadline:
+            try:
+                await self._command("PTTL", claim)
+                await self.release(scope_key, node, digest, token)
+                return
+            except StoreError:
+                await asyncio.sleep(GIVE_BACK_PAUSE)
 
     async def wait(self, scope_key: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
         keys = self._scope(scope_key)
@@ -468,6 +493,8 @@ class RedisStore:
             raise StoreError(f"redis store at {self._where}: a corrupt snapshot record: {exc}") from exc
 
     async def close(self) -> None:
+        for task in list(self._giving_back):  # what they would release expires in its own time
+            task.cancel()
         link, self._connection = self._connection, None
         try:
             running = asyncio.get_running_loop()
@@ -476,6 +503,12 @@ class RedisStore:
         if link is not None and link.loop is running:
             await link.closer.aclose()
         # Connections of another loop are closed when that loop ends (see `_close_at_loop_end`).
+
+
+def _may_have_run(exc: BaseException) -> bool:
+    """Whether a command that failed so may have run on the server all the same: it was cancelled, or its answer
+    did not come in time. (Not a refused connection: then a server that is down gets no more tries.)"""
+    return isinstance(exc, asyncio.CancelledError) or isinstance(exc.__cause__, RedisTimeoutError)
 
 
 def _text(value: str | bytes) -> str:
