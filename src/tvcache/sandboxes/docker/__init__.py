@@ -97,7 +97,7 @@ from .._threads import in_own_thread
 from ..base import Outcome, SandboxError
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
 from ..reclaim import scratch_dir
-from ._cgroup import frozen, group_of
+from ._cgroup import can_freeze, frozen, group_of
 from ._exec import kill_everything, run_bash
 from ._pipeline import Pipeline, client, describe, inspect_image
 from ._run import RUN_LABEL, new_run, reap_dead_runs, remove_run
@@ -433,7 +433,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         """Copy the upper dir of `container` into a new snapshot layer, with its processes frozen: through its
         cgroup2 `group` (see _cgroup) where it is on this machine, else through the daemon's pause."""
         dest, name = str(self._layers / self._new_id()), container.id[:12]
-        async with frozen(group) if group is not None else self._paused(container):
+        async with frozen(group) if group is not None and can_freeze(group) else self._paused(container):
             try:
                 await asyncio.to_thread(copy_layer, upper, dest)
             except OSError as exc:  # TreeChanged: something changed the files under the copy

@@ -7,7 +7,8 @@ runc puts a container there with either cgroup driver (cgroupfs: /docker/<id>; s
 /system.slice/docker-<id>.scope), on a cgroup v2 host and on a hybrid one alike. The group counts only when its
 name holds the container's id: a pid of another pid namespace (a remote daemon, a rootless one, one in another
 container) names some other process, and a group the container shares holds others' processes too. Whatever
-cannot be found gives None: calls go on unmeasured, and snapshots pause the container through the daemon.
+cannot be found gives None: calls go on unmeasured, and snapshots pause the container through the daemon
+(as they do where the group may not be written).
 
 **CPU**: `usage_usec` in the group's `cpu.stat`, which the kernel keeps whether or not the cpu controller is
 enabled there, and which counts every process of the container, the commands `docker exec` starts included.
@@ -30,7 +31,7 @@ from typing import Any
 
 from ...errors import SandboxError
 
-__all__ = ["FREEZE_TIMEOUT", "frozen", "group_of"]
+__all__ = ["FREEZE_TIMEOUT", "can_freeze", "frozen", "group_of"]
 
 FREEZE_TIMEOUT = 30.0
 """Seconds a group may take to freeze (a process in uninterruptible sleep holds it up) before the freeze is undone
@@ -66,7 +67,12 @@ def group_of(info: dict[str, Any]) -> Path | None:
             return None
         group = group[len(root) :]
     path = Path(point, group.lstrip("/"))
-    return path if (path / "cgroup.freeze").is_file() else None
+    return path if path.is_dir() else None
+
+
+def can_freeze(group: Path | None) -> bool:
+    """Whether this process may freeze `group` (a rootless daemon's may not be ours to write)."""
+    return group is not None and os.access(group / "cgroup.freeze", os.W_OK)
 
 
 def _is_frozen(group: Path) -> bool:
