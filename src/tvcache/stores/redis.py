@@ -75,6 +75,7 @@ log = logging.getLogger("tvcache")
 CONNECT_TIMEOUT = 1.0  # seconds; an unreachable server must fail fast, the cache then executes directly
 SOCKET_TIMEOUT = 5.0  # a reply taking longer means the server is stuck: also a failure
 GIVE_BACK_PAUSE = 0.5  # seconds between tries to release a claim a failed lookup may have taken
+GIVE_BACK_FOR = 600.0  # and for at most this long (a claim may be asked to last years)
 WAKE_SECONDS = 10  # how long a wake list outlives its push; far above one round trip
 MAX_SECONDS = 10 * 365 * 86400.0  # longer claims and leases are clamped to this: Redis expiries are bounded
 
@@ -325,9 +326,9 @@ class RedisStore:
         """Release the claim a failed lookup may have taken, so that others making the call need not wait out its
         ttl. First a round trip on the claim's key: a lookup the server still holds (it was stuck, or the answer
         was lost on the way) is done by then, so the release cannot overtake it. Tried until the claim would have
-        expired anyway; the release does nothing to a claim that is not ours."""
+        expired anyway (at most `GIVE_BACK_FOR`); the release does nothing to a claim that is not ours."""
         claim = f"{self._scope(scope_key).prefix}claim:{(node + digest).hex()}"
-        deadline = time.monotonic() + ttl
+        deadline = time.monotonic() + min(ttl, GIVE_BACK_FOR)
         while time.monotonic() < deadline:
             try:
                 await self._command("PTTL", claim)

@@ -100,5 +100,7 @@ async def frozen(group: Path, timeout: float = FREEZE_TIMEOUT) -> AsyncIterator[
             raise SandboxError(f"docker: freezing the container failed: {exc}") from exc
         yield
     finally:
+        # Another failure to thaw is raised as it is, not as a SandboxError (which says the sandbox is as it was):
+        # the cache then closes the sandbox rather than keep a frozen one.
         with contextlib.suppress(FileNotFoundError):
             freeze.write_bytes(b"0")
