@@ -697,9 +697,9 @@ def test_snapshots_of_many_containers_at_once_never_leave_one_refusing_commands(
     """A snapshot used to pause the container through the daemon. Under load the daemon then refused the next exec
     ("is paused, unpause the container before exec") after the unpause had returned: its record of a pause also
     follows the runtime's pause and resume events, which come late, and a late "paused" undid the unpause (two CI
-    runs failed so; 68 of 960 execs at 16 containers at once). Snapshots now freeze the container's cgroup, which
-    the daemon never hears of: many containers snapshotting at once, each running a command right after every
-    snapshot, all answer."""
+    runs failed so; see `python -m tvcache_bench.micro.docker_freeze`). Snapshots now freeze the container's
+    cgroup, which the daemon never hears of: many containers snapshotting at once, each running a command right
+    after every snapshot, all answer."""
 
     async def churn(boxes: DockerSandboxes, index: int) -> list[str]:
         box = await boxes.create()
