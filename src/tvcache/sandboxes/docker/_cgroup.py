@@ -16,8 +16,8 @@ enabled there, and which counts every process of the container, the commands `do
 **Freezing** writes the group's `cgroup.freeze` rather than asking the daemon to pause: the daemon's record of
 whether a container is paused also follows the runtime's pause and resume events, which arrive late under load,
 and a late "paused" after the unpause returned makes the daemon refuse the next exec ("is paused, unpause the
-container before exec"; measured by `python -m tvcache_bench.micro.docker_freeze`: 450 of 960 execs right after a
-pause and unpause, 16 containers at once, Docker 20.10, and 6 containers refusing every exec from then on).
+container before exec"; with 16 containers at once on Docker 20.10, 450 of 960 execs right after a pause and
+unpause, and 6 containers refusing every exec from then on: docs/sandboxes.md).
 The daemon never hears of this freeze: an exec that comes meanwhile waits, frozen, until the thaw.
 """
 
