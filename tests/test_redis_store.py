@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 
 pytest.importorskip("redis", reason="the redis package (redis-py) is not installed")
+
+import redis.asyncio as aioredis
 
 import kv
 
