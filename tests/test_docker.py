@@ -720,13 +720,17 @@ def test_snapshots_of_many_containers_at_once_never_leave_one_refusing_commands(
 
 def test_a_snapshot_freezes_the_containers_processes_and_thaws_them_also_when_cancelled(task_image: str) -> None:
     """Every process of the container stops for the copy and runs again after it, the daemon none the wiser (it
-    still calls the container running, not paused), and a snapshot cancelled while frozen thaws it. The writer is
-    started with the daemon's exec directly: a sandbox's own commands end with everything they start."""
+    still calls the container running, not paused), and a snapshot cancelled while frozen thaws it once the copy
+    under way has ended, which leaves nothing behind. The writer is started with the daemon's exec directly: a
+    sandbox's own commands end with everything they start."""
 
     async def main() -> None:
         async with DockerSandboxes(task_image) as boxes:
             box = await boxes.create()
             assert box._group is not None and box._upper is not None
+            # 3,000 files make a copy last long enough for the cancellation below to catch it at it. (Made first:
+            # a sandbox's command ends with every process in the container, the writer too.)
+            await bash(box, "mkdir /many && for i in $(seq 3000); do echo $i > /many/$i; done")
             writer = await box.container.exec(["bash", "-c", "while :; do echo x >> /grows; done"])
             await writer.start(detach=True)
             grows = Path(box._upper, "grows")
@@ -743,12 +747,14 @@ def test_a_snapshot_freezes_the_containers_processes_and_thaws_them_also_when_ca
             assert await size_after(0.3) > still
 
             snapshot = asyncio.ensure_future(box.snapshot())
-            while (box._group / "cgroup.freeze").read_text() != "1\n":  # noqa: ASYNC110 (a file, no event)
-                await asyncio.sleep(0)
+            while not await asyncio.to_thread(os.listdir, boxes._layers):  # noqa: ASYNC110 (the copy has begun)
+                await asyncio.sleep(0.001)
+            assert _cgroup._is_frozen(box._group)
             snapshot.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await snapshot
             assert (box._group / "cgroup.freeze").read_text() == "0\n"
+            assert list(boxes._layers.iterdir()) == []  # the copy under way ended, and went
             before = await size_after(0.0)
             assert await size_after(0.3) > before
 

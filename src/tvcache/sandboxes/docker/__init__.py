@@ -434,8 +434,15 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         cgroup2 `group` (see _cgroup) where it is on this machine, else through the daemon's pause."""
         dest, name = str(self._layers / self._new_id()), container.id[:12]
         async with frozen(group) if group is not None and can_freeze(group) else self._paused(container):
+            copying = asyncio.ensure_future(asyncio.to_thread(copy_layer, upper, dest))
             try:
-                await asyncio.to_thread(copy_layer, upper, dest)
+                await asyncio.shield(copying)
+            except asyncio.CancelledError:
+                # The thread copies on: it ends before the thaw (nothing may change under it), and what it made
+                # goes, rather than stay in `tmp` until the factory closes.
+                await asyncio.wait([copying])
+                await asyncio.to_thread(remove_tree, dest)
+                raise
             except OSError as exc:  # TreeChanged: something changed the files under the copy
                 await asyncio.to_thread(remove_tree, dest)
                 raise SandboxError(f"docker: copying container {name}'s files failed: {exc}") from exc
