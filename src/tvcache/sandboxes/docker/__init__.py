@@ -93,7 +93,7 @@ from .._cpustat import usage_seconds
 from .._fdtree import remove_tree
 from .._layers import copy_layer, relisted
 from .._shell import ShellState, unfinished
-from .._threads import in_own_thread
+from .._threads import in_own_thread, to_thread_to_the_end
 from ..base import Outcome, SandboxError
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
 from ..reclaim import scratch_dir
@@ -434,18 +434,13 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         cgroup2 `group` (see _cgroup) where it is on this machine, else through the daemon's pause."""
         dest, name = str(self._layers / self._new_id()), container.id[:12]
         async with frozen(group) if group is not None and can_freeze(group) else self._paused(container):
-            copying = asyncio.ensure_future(asyncio.to_thread(copy_layer, upper, dest))
-            try:
-                await asyncio.shield(copying)
-            except asyncio.CancelledError:
-                # The thread copies on: it ends before the thaw (nothing may change under it), and what it made
-                # goes, rather than stay in `tmp` until the factory closes.
-                await asyncio.wait([copying])
+            try:  # a cancelled copy ends first: frozen still, and before what it made goes
+                await to_thread_to_the_end(copy_layer, upper, dest)
+            except BaseException as exc:
                 await asyncio.to_thread(remove_tree, dest)
+                if isinstance(exc, OSError):  # TreeChanged: something changed the files under the copy
+                    raise SandboxError(f"docker: copying container {name}'s files failed: {exc}") from exc
                 raise
-            except OSError as exc:  # TreeChanged: something changed the files under the copy
-                await asyncio.to_thread(remove_tree, dest)
-                raise SandboxError(f"docker: copying container {name}'s files failed: {exc}") from exc
         return dest
 
     @contextlib.asynccontextmanager
