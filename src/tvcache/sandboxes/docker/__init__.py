@@ -431,7 +431,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
 
     async def _copy_out(self, container: Any, upper: str, group: Path | None) -> str:
         """Copy the upper dir of `container` into a new snapshot layer, with its processes frozen: through its
-        cgroup2 `group` (see _cgroup) where it is on this machine, else through the daemon's pause."""
+        cgroup2 `group` (see _cgroup) where it is on this machine and ours to write, else through the daemon's pause."""
         dest, name = str(self._layers / self._new_id()), container.id[:12]
         async with frozen(group) if group is not None and can_freeze(group) else self._paused(container):
             try:  # a cancelled copy ends first: frozen still, and before what it made goes
@@ -446,7 +446,7 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
     @contextlib.asynccontextmanager
     async def _paused(self, container: Any) -> AsyncIterator[None]:
         """The container paused by the daemon. Under load the daemon can refuse an exec right after the unpause
-        returned ("is paused"; see _cgroup), so this is only where the container's cgroup is not on this machine."""
+        returned ("is paused"; see _cgroup), so this is only where the container's cgroup cannot be frozen here."""
         name, paused = container.id[:12], False
         try:
             await self._pipeline.run(f"pausing container {name}", container.pause)
