@@ -349,12 +349,12 @@ def _chunked(server: Server, path: str, body: Any) -> int:
 
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
     data = msgspec.json.encode(body)
+    # Chunks of 1000 bytes, framed here and sent in one write: sent chunk by chunk, the last ones could come after
+    # the server had answered 413 and closed, and the client's write then failed (a broken pipe) under load.
+    pieces = [data[i : i + 1000] for i in range(0, len(data), 1000)]
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
     conn.request(
-        "POST",
-        path,
-        body=iter([data[i : i + 1000] for i in range(0, len(data), 1000)]),
-        headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
-        encode_chunked=True,
+        "POST", path, body=framed, headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"}
     )
     status = conn.getresponse().status
     conn.close()
