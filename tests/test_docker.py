@@ -44,8 +44,9 @@ from shell_oracle import Listener, bash, cached_rollouts_wrong, out, random_comm
 from tvcache import SandboxError, ToolCall
 from tvcache.sandboxes import docker as docker_module
 from tvcache.sandboxes import images
+from tvcache.sandboxes._cgroup2 import frozen, is_frozen
 from tvcache.sandboxes.base import no_room
-from tvcache.sandboxes.docker import DockerSandbox, DockerSandboxes, _cgroup, _pipeline, build_image
+from tvcache.sandboxes.docker import DockerSandbox, DockerSandboxes, _pipeline, build_image
 from tvcache.sandboxes.docker._cgroup import group_of
 from tvcache.sandboxes.workspace import WorkspaceSandboxes
 
@@ -740,7 +741,7 @@ def test_a_snapshot_freezes_the_containers_processes_and_thaws_them_also_when_ca
                 return (await asyncio.to_thread(grows.stat)).st_size
 
             await size_after(0.3)
-            async with _cgroup.frozen(box._group):
+            async with frozen(box._group, "test"):
                 still = await size_after(0.0)
                 assert await size_after(0.3) == still
                 assert (await box.container.show())["State"]["Paused"] is False
@@ -749,7 +750,7 @@ def test_a_snapshot_freezes_the_containers_processes_and_thaws_them_also_when_ca
             snapshot = asyncio.ensure_future(box.snapshot())
             while not await asyncio.to_thread(os.listdir, boxes._layers):  # noqa: ASYNC110 (the copy has begun)
                 await asyncio.sleep(0.001)
-            assert _cgroup._is_frozen(box._group)
+            assert is_frozen(box._group)
             snapshot.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await snapshot

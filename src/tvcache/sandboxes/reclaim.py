@@ -235,13 +235,14 @@ def _shared_groups() -> set[Path]:
     """The `tvcache-workspace` groups: beside or below this process's own group in each hierarchy (where its
     factories and those of processes started with it put theirs), and any within a few levels of a hierarchy's
     root (those of processes started elsewhere)."""
-    from .workspace._cgroups import GROUP, _mounts, _own_groups, _under
+    from ._cgroup2 import mounts, under
+    from .workspace._cgroups import _CONTROLLERS, GROUP, _own_groups
 
-    v1, v2 = _mounts()
+    v1, v2 = mounts(_CONTROLLERS)
     own_v1, own_v2 = _own_groups()
-    groups = {_under(v1[c], own_v1[c]) / GROUP for c in v1 if c in own_v1}
+    groups = {under(v1[c], own_v1[c]) / GROUP for c in v1 if c in own_v1}
     if v2 is not None and own_v2 is not None:
-        groups.add(_under(v2, own_v2 if own_v2 == "/" else os.path.dirname(own_v2)) / GROUP)
+        groups.add(under(v2, own_v2 if own_v2 == "/" else os.path.dirname(own_v2)) / GROUP)
     for point in {where for where, _ in [*v1.values(), *([v2] if v2 else [])]}:
         for folder, dirs, _ in os.walk(point):
             if GROUP in dirs:

@@ -24,7 +24,8 @@ from typing import Any
 
 import aiodocker
 
-from tvcache.sandboxes.docker._cgroup import frozen, group_of
+from tvcache.sandboxes._cgroup2 import frozen
+from tvcache.sandboxes.docker._cgroup import group_of
 
 from ..docker_setup import debian_base
 
@@ -47,7 +48,7 @@ async def _churn(docker: aiodocker.Docker, image: str, rounds: int, way: str, co
         if group is None:
             raise SystemExit("this container's cgroup2 group is not visible here: the freeze cannot be compared")
         stop: Callable[[], contextlib.AbstractAsyncContextManager[None]] = (
-            (lambda: _paused(container)) if way == "docker pause" else (lambda: frozen(group))
+            (lambda: _paused(container)) if way == "docker pause" else (lambda: frozen(group, "docker"))
         )
         for _ in range(rounds):
             try:

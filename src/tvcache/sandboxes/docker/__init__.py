@@ -89,7 +89,7 @@ except ImportError:
 
 from ...calls import ToolCall
 from .. import _fastpaths as fast
-from .._cpustat import usage_seconds
+from .._cgroup2 import frozen, usage_seconds
 from .._fdtree import remove_tree
 from .._layers import copy_layer, relisted
 from .._shell import ShellState, unfinished
@@ -97,7 +97,7 @@ from .._threads import in_own_thread, to_thread_to_the_end
 from ..base import Outcome, SandboxError
 from ..lifecycle import ManagedSandbox, ManagedSandboxes
 from ..reclaim import scratch_dir
-from ._cgroup import can_freeze, frozen, group_of
+from ._cgroup import can_freeze, group_of
 from ._exec import kill_everything, run_bash
 from ._pipeline import Pipeline, client, describe, inspect_image
 from ._run import RUN_LABEL, new_run, reap_dead_runs, remove_run
@@ -433,7 +433,11 @@ class DockerSandboxes(ManagedSandboxes["DockerSandbox", _Snapshot]):
         """Copy the upper dir of `container` into a new snapshot layer, with its processes frozen: through its
         cgroup2 `group` (see _cgroup) where it is on this machine and ours to write, else through the daemon's pause."""
         dest, name = str(self._layers / self._new_id()), container.id[:12]
-        async with frozen(group) if group is not None and can_freeze(group) else self._paused(container):
+        async with (
+            frozen(group, f"docker: container {name}")
+            if group is not None and can_freeze(group)
+            else self._paused(container)
+        ):
             try:  # a cancelled copy ends first: frozen still, and before what it made goes
                 await to_thread_to_the_end(copy_layer, upper, dest)
             except BaseException as exc:

@@ -1,5 +1,5 @@
-"""A container's cgroup2 group, read and written as files (no daemon round trip): the CPU time its processes used,
-and freezing them while a snapshot copies their files.
+"""Where a container's cgroup2 group is, to read the CPU time its processes used and freeze them while a snapshot
+copies their files, as files (no daemon round trip; see sandboxes/_cgroup2).
 
 The group is found once per container, from its first process (`State.Pid` in the daemon's inspect):
 /proc/<pid>/cgroup names its cgroup2 group (`0::<path>`), below this process's cgroup2 mount (/proc/self/mountinfo).
@@ -23,30 +23,13 @@ The daemon never hears of this freeze: an exec that comes meanwhile waits, froze
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from ...errors import SandboxError
+from .._cgroup2 import mounts, under
 
-__all__ = ["FREEZE_TIMEOUT", "can_freeze", "frozen", "group_of"]
-
-FREEZE_TIMEOUT = 30.0
-"""Seconds a group may take to freeze (a process in uninterruptible sleep holds it up) before the freeze is undone
-and the snapshot fails."""
-
-
-def _cgroup2_mount() -> tuple[str, str] | None:
-    """This process's cgroup2 mount: (mount point, its root within the hierarchy)."""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[fields.index("-") + 1] == "cgroup2":
-                return fields[4].encode().decode("unicode_escape"), fields[3]
-    return None
+__all__ = ["can_freeze", "group_of"]
 
 
 def group_of(info: dict[str, Any]) -> Path | None:
@@ -57,51 +40,18 @@ def group_of(info: dict[str, Any]) -> Path | None:
     try:
         with open(f"/proc/{pid}/cgroup") as f:
             group = next((line.rstrip("\n")[3:] for line in f if line.startswith("0::")), None)
-        mount = _cgroup2_mount()
+        _, mount = mounts()
     except (OSError, ValueError):
         return None
     if group is None or mount is None or cid not in os.path.basename(group):
         return None
-    point, root = mount
-    if root != "/":  # a mount of part of the hierarchy: the group must be inside it
-        if not group.startswith(root + "/"):
-            return None
-        group = group[len(root) :]
-    path = Path(point, group.lstrip("/"))
+    root = mount[1]
+    if root != "/" and not group.startswith(root + "/"):  # a mount of part of the hierarchy, without the group
+        return None
+    path = under(mount, group)
     return path if path.is_dir() else None
 
 
 def can_freeze(group: Path | None) -> bool:
     """Whether this process may freeze `group` (a rootless daemon's may not be ours to write)."""
     return group is not None and os.access(group / "cgroup.freeze", os.W_OK)
-
-
-def _is_frozen(group: Path) -> bool:
-    with open(group / "cgroup.events", "rb") as f:
-        return b"frozen 1\n" in f.read()
-
-
-@contextlib.asynccontextmanager
-async def frozen(group: Path, timeout: float = FREEZE_TIMEOUT) -> AsyncIterator[None]:
-    """Every process of `group` stopped, and kept from running, until the block ends.
-
-    The writes are synchronous (a cgroup file answers at once), so a cancellation cannot come between freezing and
-    the thaw's write; a group gone meanwhile (the container removed) has nothing left to thaw."""
-    loop = asyncio.get_running_loop()
-    freeze = group / "cgroup.freeze"
-    try:
-        try:
-            freeze.write_bytes(b"1")
-            deadline = loop.time() + timeout
-            while not _is_frozen(group):
-                if loop.time() >= deadline:
-                    raise SandboxError(f"docker: the container's processes did not freeze in {timeout:g} s")
-                await asyncio.sleep(0.005)
-        except OSError as exc:
-            raise SandboxError(f"docker: freezing the container failed: {exc}") from exc
-        yield
-    finally:
-        # Another failure to thaw is raised as it is, not as a SandboxError (which says the sandbox is as it was):
-        # the cache then closes the sandbox rather than keep a frozen one.
-        with contextlib.suppress(FileNotFoundError):
-            freeze.write_bytes(b"0")

@@ -63,6 +63,7 @@ which the next factory reaps (unmounting what is left) when its process is gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -76,6 +77,7 @@ from typing import Any, Literal
 from ...calls import ToolCall
 from .. import _fastpaths as fast
 from .. import _syscalls as sc
+from .._cgroup2 import frozen
 from .._layers import listing_digest
 from .._shell import CommandResult, ShellState, run_bash, unfinished
 from ..base import Outcome, SandboxError, settled
@@ -714,17 +716,15 @@ class WorkspaceSandbox(ManagedSandbox):
     async def snapshot(self) -> str:
         async with self._turn():
             # Nothing runs between commands (each one's PID namespace dies with it); frozen all the same, so
-            # that nothing could change the files while they are copied.
-            cgroup = self._cgroup
-            frozen = cgroup is not None and cgroup.freeze(True)
+            # that nothing could change the files while they are copied. (A sandbox that has run no command yet
+            # has no group, and nothing to freeze.)
+            core = None if self._cgroup is None else self._cgroup.core
             self._known = {}  # the files stay, but may come back from the snapshot's layer with other metadata
-            try:
-                snap = await self._fs.freeze(self._state)
-            except OSError as exc:  # e.g. no room for the layer in tmp: the sandbox itself goes on unchanged
-                raise SandboxError(f"could not snapshot the sandbox: {exc}") from exc
-            finally:
-                if frozen and cgroup is not None:
-                    cgroup.freeze(False)
+            async with contextlib.nullcontext() if core is None else frozen(core, "workspace sandbox"):
+                try:
+                    snap = await self._fs.freeze(self._state)
+                except OSError as exc:  # e.g. no room for the layer in tmp: the sandbox itself goes on unchanged
+                    raise SandboxError(f"could not snapshot the sandbox: {exc}") from exc
             self._ctx.isolation.acquire(snap)
             return self._factory._keep(snap)
 

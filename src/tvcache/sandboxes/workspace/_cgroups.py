@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._cpustat import usage_seconds
+from .._cgroup2 import mounts, under, usage_seconds
 
 __all__ = ["GROUP", "Cgroups", "SandboxCgroup", "remove_tree"]
 
@@ -50,25 +50,6 @@ class _Hierarchy:
     unified: bool
 
 
-def _mounts() -> tuple[dict[str, tuple[Path, str]], tuple[Path, str] | None]:
-    """cgroup v1 mounts by controller and the cgroup2 mount, each as (mount point, root within the hierarchy)."""
-    v1: dict[str, tuple[Path, str]] = {}
-    v2 = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index("-")
-            fstype, options = fields[sep + 1], fields[sep + 3].split(",")
-            where = (Path(fields[4].encode().decode("unicode_escape")), fields[3])
-            if fstype == "cgroup":
-                for controller in _CONTROLLERS:
-                    if controller in options:
-                        v1.setdefault(controller, where)
-            elif fstype == "cgroup2" and v2 is None:
-                v2 = where
-    return v1, v2
-
-
 def _own_groups() -> tuple[dict[str, str], str | None]:
     """This process's group per v1 controller, and its v2 group."""
     v1: dict[str, str] = {}
@@ -81,12 +62,6 @@ def _own_groups() -> tuple[dict[str, str], str | None]:
             for controller in controllers.split(","):
                 v1[controller] = path
     return v1, v2
-
-
-def _under(mount: tuple[Path, str], path: str) -> Path:
-    point, root = mount
-    relative = path[len(root) :] if root != "/" and path.startswith(root) else path
-    return point / relative.lstrip("/")
 
 
 def _write(path: Path, value: str) -> bool:
@@ -106,17 +81,17 @@ def _machine_limits() -> tuple[int, int]:
 
 def _find() -> tuple[dict[str, _Hierarchy], dict[str, str]]:
     """The shared group per controller (made and capped here), and why each missing controller is missing."""
-    mounts_v1, mount_v2 = _mounts()
+    mounts_v1, mount_v2 = mounts(_CONTROLLERS)
     own_v1, own_v2 = _own_groups()
     memory_cap, pids_cap = _machine_limits()
     found: dict[str, _Hierarchy] = {}
     missing: dict[str, str] = {}
     for controller in _CONTROLLERS:
         if controller in mounts_v1 and controller in own_v1:
-            group = _under(mounts_v1[controller], own_v1[controller]) / GROUP
+            group = under(mounts_v1[controller], own_v1[controller]) / GROUP
             unified = False
         elif mount_v2 is not None and own_v2 is not None:
-            parent = _under(mount_v2, own_v2 if own_v2 == "/" else os.path.dirname(own_v2))
+            parent = under(mount_v2, own_v2 if own_v2 == "/" else os.path.dirname(own_v2))
             try:
                 offered = (parent / "cgroup.subtree_control").read_text().split()
             except OSError:
@@ -147,11 +122,11 @@ def _find() -> tuple[dict[str, _Hierarchy], dict[str, str]]:
 def _core() -> Path | None:
     """The shared group in the cgroup2 hierarchy, made here, whatever controllers it has: each sandbox's group
     there is what kills (`cgroup.kill`) and freezes (`cgroup.freeze`) it. None without a usable cgroup2 mount."""
-    _, mount_v2 = _mounts()
+    _, mount_v2 = mounts()
     _, own_v2 = _own_groups()
     if mount_v2 is None or own_v2 is None:
         return None
-    group = _under(mount_v2, own_v2 if own_v2 == "/" else os.path.dirname(own_v2)) / GROUP
+    group = under(mount_v2, own_v2 if own_v2 == "/" else os.path.dirname(own_v2)) / GROUP
     try:
         group.mkdir(exist_ok=True)
     except OSError:
@@ -168,7 +143,8 @@ class SandboxCgroup:
     oom_events: Path | None
     pids_events: Path | None
     core: Path | None = None
-    """Its cgroup2 group (also on a host whose controllers are all cgroup v1): `cgroup.kill`, `cgroup.freeze`."""
+    """Its cgroup2 group (also on a host whose controllers are all cgroup v1): `cgroup.kill`, `cgroup.freeze`
+    (sandboxes/_cgroup2.frozen)."""
     _removed: bool = field(default=False)
 
     def kill(self) -> None:
@@ -177,20 +153,6 @@ class SandboxCgroup:
             return
         for path in self.dirs:
             _kill_members(path)
-
-    def freeze(self, frozen: bool) -> bool:
-        """Freeze (or thaw) every process in the sandbox; whether the kernel says it is done."""
-        if self.core is None or not _write(self.core / "cgroup.freeze", "1" if frozen else "0"):
-            return False
-        want = f"frozen {int(frozen)}"
-        for _ in range(1000):  # at most a second: a frozen group reports so once every member stopped
-            try:
-                if want in (self.core / "cgroup.events").read_text().splitlines():
-                    return True
-            except OSError:
-                return False
-            time.sleep(0.001)
-        return False
 
     def hits(self) -> tuple[int, int]:
         """(OOM kills, refused forks) so far."""
