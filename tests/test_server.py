@@ -342,6 +342,34 @@ def test_oversized_requests_are_refused_and_change_nothing(tmp_path: Path) -> No
         assert request(server, "POST", "/v1/lookup", LOOKUP)[1]["entry"]["output"] == b64(b"x" * 3000)
 
 
+def test_a_client_still_sending_an_oversized_body_reads_the_refusal(tmp_path: Path) -> None:
+    """A client sends its whole body before it reads the answer (http.client, httpx, the HTTP store). The server
+    refuses a body over its limit before it has all of it; were it to close at once, the data still coming would
+    make the kernel reset the connection, and the client would see a broken pipe or a reset, not the 413. It reads
+    and drops the rest first (`JSONApi._discard_body`), so the client reads the refusal, sent whole or in chunks."""
+    import msgspec
+
+    with Server(tmp_path, "memory://", None, "--max-body-mb", str(8192 / 2**20)) as server:
+        record = {"scope_key": KEY, "node": b64(ROOT), "digest": b64(DIGEST)}
+        huge = msgspec.json.encode(dict(record, entry={"kind": "edge", "output": b64(b"x" * (8 << 20)), "seconds": 1}))
+        for chunked in (False, True, False, True):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+            try:
+                pieces = [huge[i : i + 65536] for i in range(0, len(huge), 65536)]
+                conn.request(
+                    "POST",
+                    "/v1/record",
+                    body=iter(pieces) if chunked else huge,
+                    headers={"Content-Type": "application/json"},
+                    encode_chunked=chunked,
+                )
+                answer = conn.getresponse()
+                assert answer.status == 413 and b"limit" in answer.read()
+            finally:
+                conn.close()
+        assert request(server, "POST", "/v1/lookup", LOOKUP | {"claim": 0})[1] == {}
+
+
 def _chunked(server: Server, path: str, body: Any) -> int:
     import http.client
 

@@ -55,6 +55,9 @@ DEFAULT_MAX_BODY = 32 << 20  # a 16 MiB output (ToolCache's default limit) is ~2
 # otherwise hold a connection (and its memory) for as long as it likes; a 32 MiB body must come at 2.2 MB/s.
 DEFAULT_READ_TIMEOUT = 15.0
 
+# How long a refused request's body is read and dropped so that its client, still sending, can read the refusal.
+DISCARD_FOR = 2.0
+
 JSON_TYPE = (b"content-type", b"application/json")
 # A scope key the server's connection protocol (`run.py`) sets once the whole request, body included, is read: the
 # app then reads the body without arming a deadline of its own (an `asyncio.timeout` cost a lookup 6 of its 42 us).
@@ -223,6 +226,7 @@ class JSONApi:
             return self._encoder.encode(await started)
         endpoint = route.endpoint
         request = None
+        body = None
         try:
             if scope["method"] != endpoint.method:
                 raise HTTPError(405, f"{endpoint.path} takes {endpoint.method}", [(b"allow", endpoint.method.encode())])
@@ -236,6 +240,8 @@ class JSONApi:
                     raise HTTPError(400, f"invalid {endpoint.name} request: {exc}") from None
         except HTTPError as exc:
             exc.close = True  # what is left of the body is not read: do not leave the connection to it
+            if body is None and exc.status != 408:  # (a body too slow to come is not waited for again)
+                await _discard_body(scope, receive)
             raise
         reply = await route.handler(request, receive)
         return self._encoder.encode(reply)
@@ -351,6 +357,22 @@ async def _raise(exc: Exception) -> Any:
 async def _no_receive() -> Message:
     """`receive` for a handler `start` runs: eager handlers do not read it."""
     raise RuntimeError("an eager handler read the request stream")
+
+
+async def _discard_body(scope: Scope, receive: Receive) -> None:
+    """Read and drop what is left of a refused request's body, for at most DISCARD_FOR seconds, before the refusal
+    is sent and the connection closed. Clients send a body whole before they read the answer, and a connection
+    closed with data still coming is reset by the kernel: the client would meet a broken pipe or a reset, not the
+    refusal. Not for a client that waits for `100 Continue` before it sends (it has sent nothing, and is told
+    before it does)."""
+    if any(name == b"expect" for name, _ in scope["headers"]):
+        return
+    try:
+        async with asyncio.timeout(DISCARD_FOR):
+            while (message := await receive())["type"] == "http.request" and message.get("more_body", False):
+                pass
+    except TimeoutError:
+        pass  # closed under what still comes: that client meets a reset
 
 
 async def disconnected(receive: Receive) -> None:
