@@ -141,6 +141,53 @@ def test_a_claim_whose_owner_died_expires_and_is_taken_over(server: Server) -> N
     assert cache_stats["waits"] >= 1 and cache_stats["executions"] == 1
 
 
+def test_a_claim_whose_lookup_answer_was_lost_is_given_back(server: Server) -> None:
+    """A claiming lookup the server runs while its client has stopped listening (the lookup timed out, or its
+    caller was cancelled) takes a claim nobody knows the token of. The client gives it back by the id it chose for
+    the lookup, so another client making the call claims it at once rather than after the claim's 30 s. The server
+    is stopped (SIGSTOP) while the lookup is sent, and runs it, and the give-back, in either order once resumed."""
+    assert server.proc is not None
+    proc = server.proc
+
+    async def main() -> None:
+        lost, other = HTTPStore(server.url, timeout=0.5), HTTPStore(server.url)
+        try:
+            for case, digest in (("timed out", b"t" * 16), ("cancelled", b"c" * 16)):
+                proc.send_signal(signal.SIGSTOP)
+                try:
+                    lookup = asyncio.ensure_future(lost.lookup(KEY, ROOT, digest, claim=30))
+                    if case == "cancelled":
+                        await asyncio.sleep(0.2)  # sent, and waiting for its answer
+                        lookup.cancel()
+                    with pytest.raises(StoreError if case == "timed out" else asyncio.CancelledError):
+                        await lookup
+                finally:
+                    proc.send_signal(signal.SIGCONT)
+                deadline = time.monotonic() + 10
+                while (found := await other.lookup(KEY, ROOT, digest, claim=30)) == Claim(None):
+                    assert time.monotonic() < deadline, f"{case}: the lost claim was not given back"
+                    await asyncio.sleep(0.05)
+                assert isinstance(found, Claim) and found.token is not None, (case, found)
+        finally:
+            await lost.close()
+            await other.close()
+
+    asyncio.run(main())
+
+
+def test_a_claim_given_back_before_its_lookup_comes_is_never_taken(shared: Server) -> None:
+    """The give-back can reach the server first (another connection): the lookup, when it comes, does not claim."""
+    digest = b64(b"g" * 16)
+    assert request(shared, "POST", "/v1/give_back", {"lookup": "early"}) == (200, None)
+    early = LOOKUP | {"digest": digest, "claim": 30.0, "lookup": "early"}
+    assert request(shared, "POST", "/v1/lookup", early) == (200, {})
+    taken = request(shared, "POST", "/v1/lookup", LOOKUP | {"digest": digest, "claim": 30.0, "lookup": "late"})
+    assert taken[0] == 200 and taken[1]["claim"]["token"], taken
+    assert request(shared, "POST", "/v1/give_back", {"lookup": "late"}) == (200, None)
+    again = request(shared, "POST", "/v1/lookup", LOOKUP | {"digest": digest, "claim": 30.0})
+    assert again[1]["claim"]["token"] not in (None, taken[1]["claim"]["token"]), again
+
+
 @pytest.mark.parametrize(
     "check",
     [

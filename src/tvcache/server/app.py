@@ -23,6 +23,7 @@ from ..stores.wire import (
     CandidatesRequest,
     DropSnapshotRequest,
     ExportRequest,
+    GiveBackRequest,
     HealthReply,
     LeaseRequest,
     LookupReply,
@@ -50,6 +51,7 @@ from .api import (
     unless_gone,
 )
 from .counters import Counters
+from .lost_claims import LostClaims
 from .metrics import Metrics, cache_metrics
 
 __all__ = ["DEFAULT_MAX_BODY", "DEFAULT_READ_TIMEOUT", "DEFAULT_WAIT_CAP", "CacheApp", "create_app"]
@@ -112,6 +114,7 @@ class CacheApp(JSONApi):
         self.counters: Counters = counters
         self._wait_cap = wait_cap
         self.store = store
+        self._lost = LostClaims()
         self._write_failed: tuple[float, StoreError] | None = None  # when the last write failed, and why
         self._static = {
             path: (importlib.resources.files(__package__).joinpath("static", name).read_bytes(), kind)
@@ -153,7 +156,10 @@ class CacheApp(JSONApi):
         task = c.task(req.scope_key)
         c.lookups += 1
         task.lookups += 1
-        found = await self.store.lookup(req.scope_key, req.node, req.digest, req.claim)
+        lookup, claim = req.lookup, req.claim
+        if lookup is not None and claim > 0 and not self._lost.may_claim(lookup):
+            claim = 0.0  # its claim was given back already: its answer is not awaited
+        found = await self.store.lookup(req.scope_key, req.node, req.digest, claim)
         if isinstance(found, Entry):
             c.hits += 1
             task.hits += 1
@@ -163,7 +169,12 @@ class CacheApp(JSONApi):
         c.misses += 1
         if found is None:
             return _MISS
-        c.claims += found.token is not None
+        if found.token is not None:
+            c.claims += 1
+            claimed = (req.scope_key, req.node, req.digest, found.token)
+            if lookup is not None and not self._lost.granted(lookup, claimed):  # given back while the store took it
+                await self.store.release(*claimed)
+                c.releases += 1
         return LookupReply(claim=found)
 
     async def _wait(self, req: WaitRequest, receive: Receive) -> WireEntry | None:
@@ -200,6 +211,12 @@ class CacheApp(JSONApi):
     async def _release(self, req: ReleaseRequest, receive: Receive) -> None:
         await self.store.release(req.scope_key, req.node, req.digest, req.token)
         self.counters.releases += 1
+
+    async def _give_back(self, req: GiveBackRequest, receive: Receive) -> None:
+        claim = self._lost.give_back(req.lookup)
+        if claim is not None:
+            await self.store.release(*claim)
+            self.counters.releases += 1
 
     async def _refresh(self, req: RefreshRequest, receive: Receive) -> bool:
         return await self.store.refresh(req.scope_key, req.node, req.digest, req.token, req.ttl)

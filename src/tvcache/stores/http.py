@@ -17,9 +17,13 @@ error) and uses the cache again once the server answers. Numbers past the wire f
 
 from __future__ import annotations
 
+import asyncio
+import secrets
+import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import aiohttp
 import msgspec
 from yarl import URL
 
@@ -36,6 +40,7 @@ from .wire import (
     CandidatesRequest,
     DropSnapshotRequest,
     ExportRequest,
+    GiveBackRequest,
     LeaseRequest,
     LookupReply,
     LookupRequest,
@@ -54,6 +59,8 @@ __all__ = ["HTTPStore"]
 
 T = TypeVar("T")
 
+GIVE_BACK_PAUSE = 0.5  # seconds between tries to give back a claim a failed lookup may have taken
+GIVE_BACK_FOR = 60.0  # and for at most this long (within the server's window, lost_claims.WINDOW)
 WAIT_MARGIN = 10.0  # a wait's HTTP timeout exceeds its wait timeout by this much: the server answers first
 PING_SCOPE = "0" * 32  # no task has this scope key (a root node id is a hash): `ping` lists its snapshots
 
@@ -68,6 +75,7 @@ class HTTPStore:
         self.url, given = parse_url(url, "an HTTP store")  # no token: safe to log
         self._urls = {name: URL(f"{self.url}/v1/{name}") for name in _NAMES}
         self._client = JSONClient(token or given, timeout=timeout, connect_timeout=connect_timeout)
+        self._giving_back: set[asyncio.Task[None]] = set()
 
     async def _call(
         self, name: str, request: msgspec.Struct | None, reply: type[T] | Any, wait: float = 0.0, *, doing: str = ""
@@ -90,13 +98,37 @@ class HTTPStore:
     # -- the Store protocol ----------------------------------------------------------------------------
 
     async def lookup(self, scope_key: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
-        request = LookupRequest(scope_key, node, digest, _within(claim, MAX_TTL))
-        found: LookupReply = await self._call("lookup", request, LookupReply)
+        lookup = secrets.token_hex(8) if claim > 0 else None
+        request = LookupRequest(scope_key, node, digest, _within(claim, MAX_TTL), lookup)
+        try:
+            found: LookupReply = await self._call("lookup", request, LookupReply)
+        except BaseException as exc:
+            if lookup is not None and _may_have_arrived(exc):  # then it may have taken the claim
+                task = asyncio.get_running_loop().create_task(self._give_back(lookup))
+                self._giving_back.add(task)
+                task.add_done_callback(self._giving_back.discard)
+            raise
         if found.entry is not None:
             return found.entry.entry()
         if claim > 0 and found.claim is None:
             raise StoreError(f"cache server {self.url} sent an invalid lookup reply: neither an entry nor a claim")
         return found.claim
+
+    async def _give_back(self, lookup: str) -> None:
+        """Give back the claim a lookup whose answer was lost may have taken (see server.lost_claims), so that
+        others making the call need not wait out its ttl; tried every `GIVE_BACK_PAUSE` seconds while the server
+        does not answer, for at most `GIVE_BACK_FOR`."""
+        deadline = time.monotonic() + GIVE_BACK_FOR
+        while True:
+            try:
+                await self._call("give_back", GiveBackRequest(lookup), None, doing="giving a claim back")
+                return
+            except RuntimeError:  # the store was closed meanwhile
+                return
+            except StoreError:
+                if time.monotonic() + GIVE_BACK_PAUSE >= deadline:
+                    return
+                await asyncio.sleep(GIVE_BACK_PAUSE)
 
     async def wait(self, scope_key: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
         timeout = _within(timeout, MAX_WAIT)  # a shorter wait ends in "not yet": the caller looks up and waits again
@@ -161,12 +193,29 @@ class HTTPStore:
         await self._call("snapshots", SnapshotsRequest(PING_SCOPE, None), list[SnapshotRecord], doing="a ping")
 
     async def close(self) -> None:
-        """Close the connections; idempotent. Afterwards every operation raises `RuntimeError`."""
+        """Close the connections, and stop giving claims back; idempotent. Afterwards every operation raises
+        `RuntimeError`."""
+        for task in list(self._giving_back):
+            task.cancel()
+        await asyncio.gather(*self._giving_back, return_exceptions=True)
         await self._client.close()
+
+
+def _may_have_arrived(exc: BaseException) -> bool:
+    """Whether a request that failed so may have reached the server all the same: it was cancelled, or its answer
+    did not come whole. Not a connection that could not be made: then nothing was sent, and a server that is down
+    gets no give-backs."""
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    cause = exc.__cause__
+    if isinstance(cause, Unreachable):
+        return not isinstance(cause.__cause__, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
+    return isinstance(cause, Invalid)
 
 
 _NAMES = (
     "lookup",
+    "give_back",
     "wait",
     "record",
     "release",

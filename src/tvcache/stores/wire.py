@@ -28,6 +28,7 @@ __all__ = [
     "Endpoint",
     "ErrorReply",
     "ExportRequest",
+    "GiveBackRequest",
     "LeaseRequest",
     "LookupReply",
     "LookupRequest",
@@ -118,11 +119,27 @@ class WireCandidate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 # Requests refuse unknown fields: a misspelt argument must not be silently ignored.
+LookupId = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=128,
+        description="an id the client chose for a claiming lookup, to give its claim back by (`give_back`) if the "
+        "answer never reaches it",
+    ),
+]
+
+
 class LookupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scope_key: ScopeKey
     node: NodeId
     digest: Digest
     claim: Seconds = 0.0
+    lookup: LookupId | None = None
+
+
+class GiveBackRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    lookup: LookupId
 
 
 class WaitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -300,6 +317,12 @@ ENDPOINTS: list[Endpoint] = [
     ),
     operation("record", RecordRequest, WireEntry, "Store an entry unless one exists, release the claim; the winner."),
     operation("release", ReleaseRequest, None, "Give a claim up without an entry; waiters wake and retry."),
+    operation(
+        "give_back",
+        GiveBackRequest,
+        None,
+        "Release the claim a lookup whose answer was lost took, by the lookup's id (also if it has not come yet).",
+    ),
     operation("refresh", RefreshRequest, bool, "Extend a claim; false if it was lost."),
     operation("add_candidate", AddCandidateRequest, None, "Keep a result with what it read and wrote (bounded)."),
     operation("candidates", CandidatesRequest, list[WireCandidate], "A call's kept results, newest first."),
