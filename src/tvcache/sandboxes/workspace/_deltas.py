@@ -374,10 +374,12 @@ def apply(layer: str, upper: str, delta: Delta) -> None:
         # from here to the state the delta ends in, which fitted the sandbox's disk quota. In the order the
         # sandbox changed them, a file that grew before another one shrank needed more than the quota: such a
         # snapshot could never be restored ("No space left on device").
+        stats: dict[Parts, os.stat_result] = {}  # of the layer's copies, which nothing changes
         for parts, is_dir in delta.meta:
             if not is_dir:
                 with _dirs(src_root, parts[:-1]) as src, _dirs(dest_root, parts[:-1]) as out:
-                    if stat.S_ISREG(os.stat(parts[-1], dir_fd=src, follow_symlinks=False).st_mode):
+                    st = stats[parts] = os.stat(parts[-1], dir_fd=src, follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
                         _empty(out, parts[-1])
         for parts in delta.new:
             with _dirs(src_root, parts[:-1]) as src, _dirs(dest_root, parts[:-1]) as out:
@@ -388,7 +390,7 @@ def apply(layer: str, upper: str, delta: Delta) -> None:
                     _sync_metadata(Ref(src, "."), os.fstat(src), Ref(out, "."))
                 continue
             with _dirs(src_root, parts[:-1]) as src, _dirs(dest_root, parts[:-1]) as out:
-                st = os.stat(parts[-1], dir_fd=src, follow_symlinks=False)
+                st = stats[parts]
                 if stat.S_ISREG(st.st_mode):
                     _rewrite(src, out, parts[-1])
                 else:
