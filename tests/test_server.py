@@ -10,6 +10,7 @@ import base64
 import http.client
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -414,6 +415,14 @@ def test_a_client_still_sending_an_oversized_body_reads_the_refusal(tmp_path: Pa
                 assert answer.status == 413 and b"limit" in answer.read()
             finally:
                 conn.close()
+        # A client that waits for `100 Continue` has sent nothing more: it is answered at once, not told to go on
+        # (reading its body would send it `100 Continue` first).
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(
+                b"POST /v1/record HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(huge)
+            )
+            assert sock.recv(4096).startswith(b"HTTP/1.1 413 ")
         assert request(server, "POST", "/v1/lookup", LOOKUP | {"claim": 0})[1] == {}
 
 
