@@ -1,6 +1,6 @@
-"""Control groups read and written as files: where the hierarchies are mounted, the CPU time a cgroup2 group's
-processes used, and freezing them. Workspace sandboxes use their own group (workspace/_cgroups), Docker ones their
-container's (docker/_cgroup).
+"""Control groups read and written as files: where the hierarchies are mounted and this process's groups in them,
+the CPU time a cgroup2 group's processes used, and freezing them. Workspace sandboxes use their own groups
+(workspace/_cgroups), Docker ones their container's (docker/_cgroup), `reclaim` what a dead process left.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import SandboxError
 
-__all__ = ["FREEZE_TIMEOUT", "Mount", "frozen", "is_frozen", "mounts", "under", "usage_seconds"]
+__all__ = ["FREEZE_TIMEOUT", "Mount", "frozen", "is_frozen", "mounts", "own_groups", "under", "usage_seconds"]
 
 Mount = tuple[Path, str]
 """A cgroup hierarchy's mount: (mount point, the part of the hierarchy mounted there)."""
@@ -38,6 +38,20 @@ def mounts(controllers: Iterable[str] = ()) -> tuple[dict[str, Mount], Mount | N
                     v1.setdefault(controller, where)
             elif fstype == "cgroup2" and v2 is None:
                 v2 = where
+    return v1, v2
+
+
+def own_groups() -> tuple[dict[str, str], str | None]:
+    """This process's group per v1 controller, and its v2 group."""
+    v1: dict[str, str] = {}
+    v2 = None
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controllers == "":
+                v2 = path
+            for controller in controllers.split(","):
+                v1[controller] = path
     return v1, v2
 
 

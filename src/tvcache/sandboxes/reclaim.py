@@ -235,11 +235,11 @@ def _shared_groups() -> set[Path]:
     """The `tvcache-workspace` groups: beside or below this process's own group in each hierarchy (where its
     factories and those of processes started with it put theirs), and any within a few levels of a hierarchy's
     root (those of processes started elsewhere)."""
-    from ._cgroup2 import mounts, under
-    from .workspace._cgroups import _CONTROLLERS, GROUP, _own_groups
+    from ._cgroup2 import mounts, own_groups, under
+    from .workspace._cgroups import CONTROLLERS, GROUP
 
-    v1, v2 = mounts(_CONTROLLERS)
-    own_v1, own_v2 = _own_groups()
+    v1, v2 = mounts(CONTROLLERS)
+    own_v1, own_v2 = own_groups()
     groups = {under(v1[c], own_v1[c]) / GROUP for c in v1 if c in own_v1}
     if v2 is not None and own_v2 is not None:
         groups.add(under(v2, own_v2 if own_v2 == "/" else os.path.dirname(own_v2)) / GROUP)

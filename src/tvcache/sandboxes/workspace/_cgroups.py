@@ -31,12 +31,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._cgroup2 import mounts, under, usage_seconds
+from .._cgroup2 import mounts, own_groups, under, usage_seconds
 
-__all__ = ["GROUP", "Cgroups", "SandboxCgroup", "remove_tree"]
+__all__ = ["CONTROLLERS", "GROUP", "Cgroups", "SandboxCgroup", "remove_tree"]
 
 GROUP = "tvcache-workspace"
-_CONTROLLERS = ("memory", "pids", "cpu")
+CONTROLLERS = ("memory", "pids", "cpu")
 #: The shared group's share of the machine.
 _MEMORY_SHARE = 3 / 4
 _PIDS_SHARE = 1 / 2
@@ -48,20 +48,6 @@ class _Hierarchy:
 
     group: Path
     unified: bool
-
-
-def _own_groups() -> tuple[dict[str, str], str | None]:
-    """This process's group per v1 controller, and its v2 group."""
-    v1: dict[str, str] = {}
-    v2 = None
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            if controllers == "":
-                v2 = path
-            for controller in controllers.split(","):
-                v1[controller] = path
-    return v1, v2
 
 
 def _write(path: Path, value: str) -> bool:
@@ -81,12 +67,12 @@ def _machine_limits() -> tuple[int, int]:
 
 def _find() -> tuple[dict[str, _Hierarchy], dict[str, str]]:
     """The shared group per controller (made and capped here), and why each missing controller is missing."""
-    mounts_v1, mount_v2 = mounts(_CONTROLLERS)
-    own_v1, own_v2 = _own_groups()
+    mounts_v1, mount_v2 = mounts(CONTROLLERS)
+    own_v1, own_v2 = own_groups()
     memory_cap, pids_cap = _machine_limits()
     found: dict[str, _Hierarchy] = {}
     missing: dict[str, str] = {}
-    for controller in _CONTROLLERS:
+    for controller in CONTROLLERS:
         if controller in mounts_v1 and controller in own_v1:
             group = under(mounts_v1[controller], own_v1[controller]) / GROUP
             unified = False
@@ -123,7 +109,7 @@ def _core() -> Path | None:
     """The shared group in the cgroup2 hierarchy, made here, whatever controllers it has: each sandbox's group
     there is what kills (`cgroup.kill`) and freezes (`cgroup.freeze`) it. None without a usable cgroup2 mount."""
     _, mount_v2 = mounts()
-    _, own_v2 = _own_groups()
+    _, own_v2 = own_groups()
     if mount_v2 is None or own_v2 is None:
         return None
     group = under(mount_v2, own_v2 if own_v2 == "/" else os.path.dirname(own_v2)) / GROUP
@@ -196,13 +182,13 @@ class Cgroups:
         self._hierarchies: dict[str, _Hierarchy] = {}
         self._core: Path | None = None
         if os.geteuid() != 0:
-            self.missing = {c: "needs root" for c in _CONTROLLERS}
+            self.missing = {c: "needs root" for c in CONTROLLERS}
             return
         try:
             self._hierarchies, self.missing = _find()
             self._core = _core()
         except OSError as exc:
-            self.missing = {c: f"cannot read the cgroup layout: {exc}" for c in _CONTROLLERS}
+            self.missing = {c: f"cannot read the cgroup layout: {exc}" for c in CONTROLLERS}
         self._run_name = run_name
 
     @property
