@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import functools
 import http.client
 import os
 import signal
@@ -18,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 import kv
@@ -172,6 +175,46 @@ def test_a_claim_whose_lookup_answer_was_lost_is_given_back(server: Server) -> N
         finally:
             await lost.close()
             await other.close()
+
+    asyncio.run(main())
+
+
+class OldLookupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`LookupRequest` as servers before give-backs decode it."""
+
+    scope_key: str
+    node: bytes
+    digest: bytes
+    claim: float = 0.0
+
+
+def test_a_server_older_than_give_backs_is_asked_as_before() -> None:
+    """Such a server refuses a lookup's id (400: an unknown field); the client then looks up without one, there and
+    from then on, and its claims work as they did."""
+    from test_server_short_path import serving
+    from tvcache.server.app import CacheApp
+    from tvcache.stores.memory import MemoryStore
+    from tvcache.stores.wire import LookupRequest
+
+    async def old_lookup(app: CacheApp, req: OldLookupRequest, receive: Any) -> Any:
+        return await CacheApp._lookup(app, LookupRequest(req.scope_key, req.node, req.digest, req.claim), receive)
+
+    async def main() -> None:
+        async with serving(MemoryStore()) as (app, port):
+            route = app._routes["/v1/lookup"]
+            old = functools.partial(old_lookup, app)
+            app._routes["/v1/lookup"] = dataclasses.replace(
+                route, decoder=msgspec.json.Decoder(OldLookupRequest), handler=old
+            )
+            store = HTTPStore(f"http://127.0.0.1:{port}")
+            try:
+                for digest in (b"o" * 16, b"p" * 16):
+                    first = await store.lookup(KEY, ROOT, digest, claim=30)
+                    assert isinstance(first, Claim) and first.token is not None, first
+                    assert await store.lookup(KEY, ROOT, digest, claim=30) == Claim(None)
+                assert not store._names_lookups
+            finally:
+                await store.close()
 
     asyncio.run(main())
 

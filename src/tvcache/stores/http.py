@@ -76,6 +76,7 @@ class HTTPStore:
         self._urls = {name: URL(f"{self.url}/v1/{name}") for name in _NAMES}
         self._client = JSONClient(token or given, timeout=timeout, connect_timeout=connect_timeout)
         self._giving_back: set[asyncio.Task[None]] = set()
+        self._names_lookups = True  # until the server refuses a lookup's id (one older than give-backs)
 
     async def _call(
         self, name: str, request: msgspec.Struct | None, reply: type[T] | Any, wait: float = 0.0, *, doing: str = ""
@@ -98,11 +99,14 @@ class HTTPStore:
     # -- the Store protocol ----------------------------------------------------------------------------
 
     async def lookup(self, scope_key: str, node: bytes, digest: bytes, claim: float = 0.0) -> Entry | Claim | None:
-        lookup = secrets.token_hex(8) if claim > 0 else None
+        lookup = secrets.token_hex(8) if claim > 0 and self._names_lookups else None
         request = LookupRequest(scope_key, node, digest, _within(claim, MAX_TTL), lookup)
         try:
             found: LookupReply = await self._call("lookup", request, LookupReply)
         except BaseException as exc:
+            if lookup is not None and _refused_the_id(exc):  # a server older than give-backs: ask it as before
+                self._names_lookups = False
+                return await self.lookup(scope_key, node, digest, claim)
             if lookup is not None and _may_have_arrived(exc):  # then it may have taken the claim
                 task = asyncio.get_running_loop().create_task(self._give_back(lookup))
                 self._giving_back.add(task)
@@ -199,6 +203,13 @@ class HTTPStore:
             task.cancel()
         await asyncio.gather(*self._giving_back, return_exceptions=True)
         await self._client.close()
+
+
+def _refused_the_id(exc: BaseException) -> bool:
+    """Whether the server refused a lookup for its `lookup` field: a server older than give-backs refuses fields it
+    does not know (400)."""
+    refused = exc.__context__  # (`_call` raises its StoreError from None)
+    return isinstance(refused, Refused) and refused.status == 400 and "unknown field `lookup`" in refused.message
 
 
 def _may_have_arrived(exc: BaseException) -> bool:

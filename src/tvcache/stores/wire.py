@@ -130,7 +130,8 @@ LookupId = Annotated[
 ]
 
 
-class LookupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class LookupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    # (Defaults are not sent: a server older than `lookup` refuses the field, even as null.)
     scope_key: ScopeKey
     node: NodeId
     digest: Digest
