@@ -35,6 +35,7 @@ from server_helpers import (
     assert_schemathesis_finds_nothing,
     assert_slow_clients_are_cut_off,
     finish_client,
+    free_port,
     request,
     slowloris,
     spawn_client,
@@ -43,6 +44,7 @@ from server_helpers import (
 from tvcache.graph import Entry, Scope
 from tvcache.stores import Claim, StoreError
 from tvcache.stores.http import HTTPStore
+from tvcache.stores.wire import LookupReply, LookupRequest
 
 TOKEN = "correct-horse-battery-staple"
 
@@ -149,7 +151,8 @@ def test_a_claim_whose_lookup_answer_was_lost_is_given_back(server: Server) -> N
     """A claiming lookup the server runs while its client has stopped listening (the lookup timed out, or its
     caller was cancelled) takes a claim nobody knows the token of. The client gives it back by the id it chose for
     the lookup, so another client making the call claims it at once rather than after the claim's 30 s. The server
-    is stopped (SIGSTOP) while the lookup is sent, and runs it, and the give-back, in either order once resumed."""
+    is stopped (SIGSTOP) while the lookup is sent and for a second after, so the first give-back fails as well, and
+    runs the lookup and a later give-back, in either order, once resumed."""
     assert server.proc is not None
     proc = server.proc
 
@@ -165,6 +168,7 @@ def test_a_claim_whose_lookup_answer_was_lost_is_given_back(server: Server) -> N
                         lookup.cancel()
                     with pytest.raises(StoreError if case == "timed out" else asyncio.CancelledError):
                         await lookup
+                    await asyncio.sleep(1.2)  # the first give-back times out too (0.5 s): it is tried again
                 finally:
                     proc.send_signal(signal.SIGCONT)
                 deadline = time.monotonic() + 10
@@ -175,6 +179,30 @@ def test_a_claim_whose_lookup_answer_was_lost_is_given_back(server: Server) -> N
         finally:
             await lost.close()
             await other.close()
+
+    asyncio.run(main())
+
+
+def test_a_give_back_no_server_took_is_tried_again() -> None:
+    """A give-back that cannot reach the server (here: nothing listens on its port yet) is tried every 0.5 s until
+    one does: the server then records it, and the lookup it names does not claim."""
+    from test_server_short_path import serving
+    from tvcache.stores.memory import MemoryStore
+
+    async def main() -> None:
+        port = free_port()
+        store = HTTPStore(f"http://127.0.0.1:{port}")
+        try:
+            giving = asyncio.ensure_future(store._give_back("late-server"))
+            await asyncio.sleep(1.2)  # refused twice or three times
+            assert not giving.done()
+            async with serving(MemoryStore(), port=port) as (app, _):
+                await giving
+                assert app.counters.latency["give_back"].statuses == {200: 1}
+                late = LookupRequest(KEY, ROOT, b"l" * 16, 30.0, "late-server")
+                assert (await store._call("lookup", late, LookupReply)) == LookupReply()
+        finally:
+            await store.close()
 
     asyncio.run(main())
 
@@ -190,11 +218,11 @@ class OldLookupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def test_a_server_older_than_give_backs_is_asked_as_before() -> None:
     """Such a server refuses a lookup's id (400: an unknown field); the client then looks up without one, there and
-    from then on, and its claims work as they did."""
+    from then on, and its claims work as they did. (A stand-in for an older server: this one, with the lookup's
+    decoder of before and no give_back.)"""
     from test_server_short_path import serving
     from tvcache.server.app import CacheApp
     from tvcache.stores.memory import MemoryStore
-    from tvcache.stores.wire import LookupRequest
 
     async def old_lookup(app: CacheApp, req: OldLookupRequest, receive: Any) -> Any:
         return await CacheApp._lookup(app, LookupRequest(req.scope_key, req.node, req.digest, req.claim), receive)
@@ -213,6 +241,11 @@ def test_a_server_older_than_give_backs_is_asked_as_before() -> None:
                     assert isinstance(first, Claim) and first.token is not None, first
                     assert await store.lookup(KEY, ROOT, digest, claim=30) == Claim(None)
                 assert not store._names_lookups
+                # Nor does it know give-backs (404): one given back anyway, as after a lookup that timed out before
+                # the first refusal, is tried once, not for a minute.
+                del app._routes["/v1/give_back"]
+                await store._give_back("never-sent")
+                assert app.counters.latency["other"].statuses == {404: 1}
             finally:
                 await store.close()
 

@@ -148,10 +148,12 @@ class WaitingStore(MemoryStore):
 
 
 @contextlib.asynccontextmanager
-async def serving(store: MemoryStore, keep_alive: float = 75.0) -> AsyncIterator[tuple[CacheApp, int]]:
+async def serving(
+    store: MemoryStore, keep_alive: float = 75.0, port: int | None = None
+) -> AsyncIterator[tuple[CacheApp, int]]:
     """`store`'s app on uvicorn with the server's connection protocol, in this event loop: its port."""
     app = create_app(store)
-    port = free_port()
+    port = port or free_port()
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, http=_protocol(app, 15.0, 100), timeout_keep_alive=keep_alive
     )

@@ -121,18 +121,21 @@ class HTTPStore:
     async def _give_back(self, lookup: str) -> None:
         """Give back the claim a lookup whose answer was lost may have taken (see server.lost_claims), so that
         others making the call need not wait out its ttl; tried every `GIVE_BACK_PAUSE` seconds while the server
-        does not answer, for at most `GIVE_BACK_FOR`."""
+        does not answer or its store fails, for at most `GIVE_BACK_FOR`."""
         deadline = time.monotonic() + GIVE_BACK_FOR
         while True:
             try:
                 await self._call("give_back", GiveBackRequest(lookup), None, doing="giving a claim back")
                 return
-            except RuntimeError:  # the store was closed meanwhile
-                return
-            except StoreError:
+            except StoreError as exc:
+                refused = exc.__context__
+                if isinstance(refused, Refused) and refused.status < 500:  # e.g. a server older than give-backs
+                    return
                 if time.monotonic() + GIVE_BACK_PAUSE >= deadline:
                     return
                 await asyncio.sleep(GIVE_BACK_PAUSE)
+            except RuntimeError:  # the store was closed meanwhile (a StoreError is a RuntimeError too: after it)
+                return
 
     async def wait(self, scope_key: str, node: bytes, digest: bytes, timeout: float) -> Entry | None:
         timeout = _within(timeout, MAX_WAIT)  # a shorter wait ends in "not yet": the caller looks up and waits again
