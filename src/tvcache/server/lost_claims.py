@@ -27,35 +27,36 @@ Claimed = tuple[str, bytes, bytes, str]
 class LostClaims:
     def __init__(self, window: float = WINDOW):
         self._window = window
-        # Both in the order they were made, with the same window: the oldest are first, to be dropped.
-        self._granted: dict[str, tuple[float, Claimed]] = {}
-        self._given_back: dict[str, float] = {}
+        # Per lookup id, until when it is kept and the claim it took, or None if it was given back before it came;
+        # kept in the order they were made, with one window: the oldest are first, to be dropped.
+        self._records: dict[str, tuple[float, Claimed | None]] = {}
 
     def may_claim(self, lookup: str) -> bool:
         """False for a lookup whose claim was given back before the lookup came."""
-        self._expire()
-        return lookup not in self._given_back
+        return not self._given_back(lookup)
 
     def granted(self, lookup: str, claim: Claimed) -> bool:
         """Record the claim `lookup` took; False if it was given back while the store took it (release it now)."""
-        self._expire()
-        if lookup in self._given_back:
+        if self._given_back(lookup):
             return False
-        self._granted[lookup] = (time.monotonic() + self._window, claim)
+        self._records[lookup] = (time.monotonic() + self._window, claim)
         return True
 
     def give_back(self, lookup: str) -> Claimed | None:
         """The claim `lookup` took, to be released; None if it took none, or has not come yet (it then will not)."""
         self._expire()
-        found = self._granted.pop(lookup, None)
-        if found is None:
-            self._given_back[lookup] = time.monotonic() + self._window
+        found = self._records.pop(lookup, None)
+        if found is None or found[1] is None:
+            self._records[lookup] = (time.monotonic() + self._window, None)
             return None
         return found[1]
 
+    def _given_back(self, lookup: str) -> bool:
+        self._expire()
+        found = self._records.get(lookup)
+        return found is not None and found[1] is None
+
     def _expire(self) -> None:
         now = time.monotonic()
-        while self._granted and next(iter(self._granted.values()))[0] <= now:
-            del self._granted[next(iter(self._granted))]
-        while self._given_back and next(iter(self._given_back.values())) <= now:
-            del self._given_back[next(iter(self._given_back))]
+        while self._records and next(iter(self._records.values()))[0] <= now:
+            del self._records[next(iter(self._records))]

@@ -128,8 +128,8 @@ class HTTPStore:
                 await self._call("give_back", GiveBackRequest(lookup), None, doing="giving a claim back")
                 return
             except StoreError as exc:
-                refused = exc.__context__
-                if isinstance(refused, Refused) and refused.status < 500:  # e.g. a server older than give-backs
+                refused = _refusal(exc)
+                if refused is not None and refused.status < 500:  # e.g. a server older than give-backs
                     return
                 if time.monotonic() + GIVE_BACK_PAUSE >= deadline:
                     return
@@ -208,11 +208,17 @@ class HTTPStore:
         await self._client.close()
 
 
+def _refusal(exc: BaseException) -> Refused | None:
+    """The server's answer behind a `StoreError` of `_call`, if it answered (an error status)."""
+    refused = exc.__context__  # (`_call` raises its StoreError from None)
+    return refused if isinstance(refused, Refused) else None
+
+
 def _refused_the_id(exc: BaseException) -> bool:
     """Whether the server refused a lookup for its `lookup` field: a server older than give-backs refuses fields it
     does not know (400)."""
-    refused = exc.__context__  # (`_call` raises its StoreError from None)
-    return isinstance(refused, Refused) and refused.status == 400 and "unknown field `lookup`" in refused.message
+    refused = _refusal(exc)
+    return refused is not None and refused.status == 400 and "unknown field `lookup`" in refused.message
 
 
 def _may_have_arrived(exc: BaseException) -> bool:

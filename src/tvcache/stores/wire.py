@@ -65,6 +65,15 @@ Digest = Annotated[
     msgspec.Meta(min_length=16, max_length=16, description="a 16-byte call digest, base64", extra_json_schema=_B64_16),
 ]
 Token = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+LookupId = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=128,
+        description="an id the client chose for a claiming lookup, to give its claim back by (`give_back`) if the "
+        "answer never reaches it",
+    ),
+]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_TTL)]
@@ -119,17 +128,6 @@ class WireCandidate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 # Requests refuse unknown fields: a misspelt argument must not be silently ignored.
-LookupId = Annotated[
-    str,
-    msgspec.Meta(
-        min_length=1,
-        max_length=128,
-        description="an id the client chose for a claiming lookup, to give its claim back by (`give_back`) if the "
-        "answer never reaches it",
-    ),
-]
-
-
 class LookupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     # (Defaults are not sent: a server older than `lookup` refuses the field, even as null.)
     scope_key: ScopeKey
