@@ -151,8 +151,9 @@ def test_a_claim_whose_lookup_answer_was_lost_is_given_back(server: Server) -> N
     """A claiming lookup the server runs while its client has stopped listening (the lookup timed out, or its
     caller was cancelled) takes a claim nobody knows the token of. The client gives it back by the id it chose for
     the lookup, so another client making the call claims it at once rather than after the claim's 30 s. The server
-    is stopped (SIGSTOP) while the lookup is sent and for a second after, so the first give-back fails as well, and
-    runs the lookup and a later give-back, in either order, once resumed."""
+    is stopped (SIGSTOP) while the lookup is sent and for a second after, so the give-back times out too; resumed,
+    it runs the lookup and the give-back requests waiting in its sockets, in either order. (That a give-back the
+    server never got is tried again is the next test.)"""
     assert server.proc is not None
     proc = server.proc
 
@@ -168,7 +169,7 @@ def test_a_claim_whose_lookup_answer_was_lost_is_given_back(server: Server) -> N
                         lookup.cancel()
                     with pytest.raises(StoreError if case == "timed out" else asyncio.CancelledError):
                         await lookup
-                    await asyncio.sleep(1.2)  # the first give-back times out too (0.5 s): it is tried again
+                    await asyncio.sleep(1.2)  # the give-back is sent, and times out (0.5 s) as well
                 finally:
                     proc.send_signal(signal.SIGCONT)
                 deadline = time.monotonic() + 10
